@@ -1,0 +1,1 @@
+"""pdserve: prefill/decode disaggregated serving around vLLM."""

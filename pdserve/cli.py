@@ -1,0 +1,95 @@
+"""`pdserve` command line: serve | controller | worker | make-model | keygen | bench."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+USAGE = """usage: pdserve COMMAND [options]
+
+commands:
+  serve       controller + N prefill + M decode workers on this machine (one command)
+  controller  vLLM's OpenAI server over a pool of workers
+  worker      one vLLM engine in the prefill, decode or both role
+  make-model  write a deterministic random Llama + tokenizer (no hub needed)
+  keygen      write CurveZMQ keys for the control plane
+  bench       compare disaggregated and colocated serving on this machine
+
+`pdserve COMMAND --help` describes each command's options.
+"""
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve serve",
+                                description="Serve P/D on this machine with one command.")
+    p.add_argument("--model", default=None, help="model folder (default: the built-in tiny model)")
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    p.add_argument("--decode", type=int, default=1, help="decode workers")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--worker-port", type=int, default=8001)
+    p.add_argument("--no-keys", action="store_true",
+                   help="do not encrypt/authenticate the control plane (on by default)")
+    p.add_argument("--start-timeout", type=float, default=600.0)
+    p.add_argument("--drain-timeout", type=float, default=60.0)
+    p.add_argument("--controller-arg", action="append", default=[],
+                   help="extra argument for the controller (repeat), e.g. --controller-arg=--api-key=X")
+    p.add_argument("--worker-arg", action="append", default=[],
+                   help="extra argument for every worker (repeat)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if cmd == "serve":
+        from pdserve.launcher import serve
+
+        return serve(_serve_parser().parse_args(rest))
+    if cmd == "controller":
+        from pdserve.controller.server import main as controller_main
+
+        controller_main(rest)
+        return 0
+    if cmd == "worker":
+        from pdserve.worker.main import main as worker_main
+
+        return worker_main(rest)
+    if cmd == "make-model":
+        p = argparse.ArgumentParser(prog="pdserve make-model")
+        p.add_argument("dir")
+        p.add_argument("--preset", default="tiny", choices=["tiny", "bench"])
+        p.add_argument("--seed", type=int, default=0)
+        a = p.parse_args(rest)
+        from pathlib import Path
+
+        from pdserve.models import make_model
+
+        print(make_model(Path(a.dir), a.preset, a.seed))
+        return 0
+    if cmd == "keygen":
+        p = argparse.ArgumentParser(prog="pdserve keygen")
+        p.add_argument("dir")
+        a = p.parse_args(rest)
+        from pdserve.transport import keygen
+
+        for path in keygen(a.dir):
+            print(path)
+        return 0
+    if cmd == "bench":
+        from pdserve.bench.main import main as bench_main
+
+        return bench_main(rest)
+    print(f"pdserve: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

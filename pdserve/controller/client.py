@@ -1,0 +1,246 @@
+"""PDController: vLLM's EngineClient, backed by a pool of prefill and decode workers.
+
+vLLM's OpenAI server renders and validates each request with this client's renderer and
+input_processor (built from the model folder, as a plain engine would), then calls generate().
+generate() runs one `Sequence` per requested completion (n) and turns their output into
+RequestOutputs of the kind the server asked for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator, Iterable
+from http import HTTPStatus
+from typing import Any
+
+from vllm.engine.protocol import EngineClient
+from vllm.exceptions import GracefulHTTPError
+from vllm.v1.engine.exceptions import EngineDeadError
+
+from pdserve.controller.metrics import Metrics
+from pdserve.controller.pool import Pool
+from pdserve.controller.requests import Sequence, Settings
+from pdserve.controller.router import make_policy
+from pdserve.controller.stream import Stream
+
+logger = logging.getLogger(__name__)
+
+
+class PDController(EngineClient):
+    def __init__(self, vllm_config, pool: Pool, settings: Settings | None = None,
+                 metrics: Metrics | None = None):
+        from vllm.renderers import renderer_from_config
+        from vllm.v1.engine.input_processor import InputProcessor
+
+        self.vllm_config = vllm_config
+        self.model_config = vllm_config.model_config
+        self.renderer = renderer_from_config(vllm_config)
+        self.input_processor = InputProcessor(vllm_config, self.renderer)
+        self.pool = pool
+        self.settings = settings or Settings()
+        block_size = vllm_config.cache_config.block_size
+        self.prefill_policy = make_policy(self.settings.prefill_policy, block_size)
+        self.decode_policy = make_policy(self.settings.decode_policy, block_size)
+        self.metrics = metrics or Metrics()
+        self.active: dict[str, list[Sequence]] = {}
+        self._stopped = False
+
+    # ---- generation ------------------------------------------------------------------------
+
+    def check_admission(self, n: int = 1, request_id: str | None = None) -> None:
+        # Runs before a streaming response starts, so a missing role is a real HTTP 503
+        # rather than an error event inside a 200 stream.
+        for side in ("prefill", "decode"):
+            if not self.pool.registry.ready(side):
+                self.metrics.rejected_no_worker(side)
+                raise GracefulHTTPError(f"no {side} worker is available",
+                                        HTTPStatus.SERVICE_UNAVAILABLE)
+
+    async def generate(self, prompt, sampling_params, request_id: str, *,
+                       prompt_text: str | None = None, **kwargs: Any,
+                       ) -> AsyncGenerator[Any, None]:
+        token_ids = _prompt_token_ids(prompt)
+        if prompt_text is None and isinstance(prompt, dict):
+            prompt_text = prompt.get("prompt")
+        params = sampling_params
+        n = params.n or 1
+        stream = Stream(request_id, prompt_text, token_ids, params.output_kind, n,
+                        want_logprobs=params.logprobs is not None)
+        timeline = self.metrics.timeline(len(token_ids))
+        seqs = [Sequence(self.pool, self.prefill_policy, self.decode_policy, self.settings,
+                         request_id, token_ids, _child_params(params, i, n), stream, i,
+                         observer=timeline)
+                for i in range(n)]
+        self.active[request_id] = seqs
+        outcome = "aborted"
+        try:
+            async for _ in _merge_runs([s.run() for s in seqs]):
+                out = stream.emit()
+                if out is not None:
+                    yield out
+            outcome = "completed"
+        except GracefulHTTPError:
+            outcome = "failed"
+            raise
+        except ValueError:
+            outcome = "rejected"
+            raise
+        finally:
+            for s in seqs:
+                s.abort()
+            self.active.pop(request_id, None)
+            timeline.finish(outcome)
+
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            for s in self.active.get(rid, ()):
+                s.abort()
+
+    # ---- health and the rest of the protocol -----------------------------------------------
+
+    @property
+    def is_running(self) -> bool:
+        return not self._stopped
+
+    @property
+    def is_stopped(self) -> bool:
+        return self._stopped
+
+    @property
+    def errored(self) -> bool:
+        return False  # workers fail, the controller does not: it routes around them
+
+    @property
+    def dead_error(self) -> BaseException:
+        return EngineDeadError()
+
+    async def check_health(self) -> None:
+        missing = [side for side in ("prefill", "decode") if not self.pool.registry.ready(side)]
+        if missing:
+            logger.warning("health: no ready %s worker", " or ".join(missing))
+            raise EngineDeadError()
+
+    async def get_supported_tasks(self):
+        return ("generate",)
+
+    async def notify_kv_transfer_request_rejected(self, request_id, kv_transfer_params, *,
+                                                  data_parallel_rank=None) -> None:
+        # Clients' kv_transfer_params are never used by pdserve (see requests.leg_params), so
+        # nothing was pinned on their behalf.
+        return None
+
+    async def is_tracing_enabled(self) -> bool:
+        return False
+
+    async def do_log_stats(self) -> None:
+        counts = self.pool.registry.counts()
+        logger.info("pool: %s; %d requests in flight",
+                    ", ".join(f"{r}/{s}={c}" for (r, s), c in sorted(counts.items())) or "empty",
+                    len(self.active))
+
+    def encode(self, *args, **kwargs):
+        raise GracefulHTTPError("pdserve serves generation only; pooling models are not "
+                                "supported", HTTPStatus.BAD_REQUEST)
+
+    async def start_profile(self, *args, **kwargs) -> None:
+        raise GracefulHTTPError("profiling runs on the workers' engines, not the controller",
+                                HTTPStatus.BAD_REQUEST)
+
+    async def stop_profile(self) -> None:
+        await self.start_profile()
+
+    async def reset_mm_cache(self) -> None:
+        return None  # text-only: there is no multi-modal cache
+
+    async def reset_encoder_cache(self) -> None:
+        return None
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False,
+                                 reset_connector: bool = False) -> bool:
+        return False  # the caches live in the workers' engines
+
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        raise GracefulHTTPError("sleep mode is not supported by pdserve", HTTPStatus.BAD_REQUEST)
+
+    async def release_kv_cache_memory(self) -> None:
+        await self.sleep()
+
+    async def wake_up(self, tags: list[str] | None = None) -> bool:
+        return True
+
+    async def is_sleeping(self) -> bool:
+        return False
+
+    async def add_lora(self, lora_request) -> bool:
+        raise GracefulHTTPError("LoRA adapters are not supported by pdserve",
+                                HTTPStatus.BAD_REQUEST)
+
+    async def pause_generation(self, *, mode: str = "abort", clear_cache: bool = True) -> None:
+        raise GracefulHTTPError("pausing is done per worker (SIGTERM drains a worker)",
+                                HTTPStatus.BAD_REQUEST)
+
+    async def resume_generation(self) -> None:
+        return None
+
+    async def is_paused(self) -> bool:
+        return False
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        self._stopped = True
+        for seqs in self.active.values():
+            for s in seqs:
+                s.abort()
+
+
+def _prompt_token_ids(prompt) -> list[int]:
+    if isinstance(prompt, dict) and prompt.get("prompt_token_ids") is not None:
+        return list(prompt["prompt_token_ids"])
+    raise GracefulHTTPError("pdserve takes token prompts (as vLLM's server renders them); "
+                            f"got {type(prompt).__name__}", HTTPStatus.BAD_REQUEST)
+
+
+def _child_params(params, index: int, n: int):
+    """Sampling parameters of completion `index` of `n`, seeded as vLLM seeds its children."""
+    if n == 1:
+        return params
+    child = params.clone()
+    child.n = 1
+    if params.seed is not None:
+        child.seed = params.seed + index
+    return child
+
+
+async def _merge_runs(runs: list[AsyncGenerator[None, None]]) -> AsyncGenerator[None, None]:
+    """Interleave several sequences' progress; the first error cancels the rest."""
+    if len(runs) == 1:
+        async for _ in runs[0]:
+            yield
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(run):
+        try:
+            async for _ in run:
+                await queue.put(None)
+            await queue.put(done)
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer below
+            await queue.put(e)
+
+    tasks = [asyncio.create_task(pump(r)) for r in runs]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,201 @@
+"""End-to-end request metrics, measured at the controller (what the client sees).
+
+Each request gets a `Timeline`; the request code reports events to it (queued, prefill started
+and done, tokens, decode started, retries) and the timeline turns them into Prometheus
+observations with an injectable clock, so the definitions are tested without real time.
+
+TTFT is from the controller receiving the request to its first token leaving, whichever worker
+produced it; prompt tokens are counted once per request, never per engine.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+_LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
+            10.0, 20.0, 40.0, 80.0)
+_TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+          0.5, 0.75, 1.0, 2.5, 5.0)
+RECENT = 2000  # requests kept for the dashboard's percentiles
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("pdserve_time_to_first_token_seconds",
+                              "Request arrival at the controller to its first output token",
+                              buckets=_LATENCY, registry=r)
+        self.itl = Histogram("pdserve_inter_token_latency_seconds",
+                             "Gap between consecutive output tokens, as streamed by the controller",
+                             buckets=_TOKEN, registry=r)
+        self.tpot = Histogram("pdserve_time_per_output_token_seconds",
+                              "Per request: (last token - first token) / (output tokens - 1)",
+                              buckets=_TOKEN, registry=r)
+        self.e2e = Histogram("pdserve_e2e_request_latency_seconds",
+                             "Request arrival to its end (any outcome)", buckets=_LATENCY,
+                             registry=r)
+        self.queue = Histogram("pdserve_queue_time_seconds",
+                               "Request arrival to a worker being chosen for it",
+                               buckets=_LATENCY, registry=r)
+        self.prefill = Histogram("pdserve_prefill_time_seconds",
+                                 "Prefill sent to a prefill worker to its result back",
+                                 buckets=_LATENCY, registry=r)
+        self.handoff = Histogram("pdserve_kv_handoff_seconds",
+                                 "Prefill done to the decode worker's first new token "
+                                 "(KV pull + first decode step)", buckets=_LATENCY, registry=r)
+        self.requests = Counter("pdserve_requests", "Finished requests by outcome "
+                                "(completed, aborted, failed, rejected)", ["outcome"], registry=r)
+        self.recovered = Counter("pdserve_requests_recovered",
+                                 "Requests that completed after a retry or migration", registry=r)
+        self.retries = Counter("pdserve_retries", "Failed legs retried: prefill_retry before any "
+                               "token, migration after some", ["kind"], registry=r)
+        self.local = Counter("pdserve_local_prefills",
+                             "Sequences prefilled on their decode worker (no handoff)", registry=r)
+        self.no_worker = Counter("pdserve_no_worker_rejections",
+                                 "Requests refused with 503 for lack of a worker", ["role"],
+                                 registry=r)
+        self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens of requests "
+                                     "(counted once per request)", registry=r)
+        self.generation_tokens = Counter("pdserve_generation_tokens",
+                                         "Output tokens streamed to clients", registry=r)
+        # Recent finished requests for the dashboard: (end time, outcome, ttft, tpot, e2e).
+        self.recent: deque[tuple[float, str, float | None, float | None, float]] = deque(
+            maxlen=RECENT)
+
+    def timeline(self, prompt_tokens: int) -> Timeline:
+        self.prompt_tokens.inc(prompt_tokens)
+        return Timeline(self)
+
+    def rejected_no_worker(self, role: str) -> None:
+        self.no_worker.labels(role).inc()
+
+    def watch_pool(self, registry) -> None:
+        """Export per-worker gauges from the pool registry at scrape time."""
+        self.registry.register(_PoolCollector(registry))
+
+
+class Timeline:
+    """One request's events, with the observations they imply."""
+
+    def __init__(self, m: Metrics):
+        self.m = m
+        self.start = m.clock()
+        self.first: float | None = None
+        self.last: float | None = None
+        self.n_tokens = 0
+        self.chosen = False
+        self.prefill_start: float | None = None
+        self.prefill_end: float | None = None
+        self.awaiting_decode = False
+        self.failures = 0
+        self.finished = False
+
+    def queued(self) -> None:
+        pass  # the request is waiting for a worker choice since `start` or its last failure
+
+    def _chosen(self) -> None:
+        if not self.chosen:
+            self.chosen = True
+            self.m.queue.observe(self.m.clock() - self.start)
+
+    def prefill_started(self, worker_id: str) -> None:
+        self._chosen()
+        self.prefill_start = self.m.clock()
+
+    def prefill_done(self, n_tokens: int) -> None:
+        now = self.m.clock()
+        if self.prefill_start is not None:
+            self.m.prefill.observe(now - self.prefill_start)
+        self.prefill_end = now
+        self.awaiting_decode = True
+
+    def local(self, worker_id: str) -> None:
+        self._chosen()
+        self.m.local.inc()
+
+    def decode_started(self, worker_id: str) -> None:
+        if self.awaiting_decode and self.prefill_end is not None:
+            self.m.handoff.observe(self.m.clock() - self.prefill_end)
+        self.awaiting_decode = False
+
+    def tokens(self, n: int) -> None:
+        if n <= 0:
+            return
+        now = self.m.clock()
+        if self.first is None:
+            self.first = now
+            self.m.ttft.observe(now - self.start)
+            gaps = n - 1
+        else:
+            gaps = n
+        if gaps and self.last is not None:
+            # A burst of n tokens in one message: spread the gap as vLLM's benchmark does.
+            for _ in range(gaps):
+                self.m.itl.observe((now - self.last) / gaps)
+        self.last = now
+        self.n_tokens += n
+        self.m.generation_tokens.inc(n)
+
+    def retried(self, migrated: bool) -> None:
+        self.failures += 1
+        self.m.retries.labels("migration" if migrated else "prefill_retry").inc()
+
+    def finish(self, outcome: str) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        now = self.m.clock()
+        e2e = now - self.start
+        self.m.e2e.observe(e2e)
+        self.m.requests.labels(outcome).inc()
+        if outcome == "completed" and self.failures:
+            self.m.recovered.inc()
+        tpot = None
+        if self.first is not None and self.last is not None and self.n_tokens > 1:
+            tpot = (self.last - self.first) / (self.n_tokens - 1)
+            self.m.tpot.observe(tpot)
+        ttft = None if self.first is None else self.first - self.start
+        self.m.recent.append((time.time(), outcome, ttft, tpot, e2e))
+
+
+class _PoolCollector:
+    def __init__(self, registry):
+        self.pool = registry
+
+    def collect(self):
+        running = GaugeMetricFamily("pdserve_worker_running_requests",
+                                    "Running requests reported by the worker's engine",
+                                    labels=["worker", "role"])
+        waiting = GaugeMetricFamily("pdserve_worker_waiting_requests",
+                                    "Waiting requests reported by the worker's engine",
+                                    labels=["worker", "role"])
+        kv = GaugeMetricFamily("pdserve_worker_kv_usage_ratio",
+                               "Fraction of the worker's KV cache in use",
+                               labels=["worker", "role"])
+        inflight = GaugeMetricFamily("pdserve_worker_inflight_requests",
+                                     "This controller's request legs on the worker",
+                                     labels=["worker", "role"])
+        age = GaugeMetricFamily("pdserve_worker_heartbeat_age_seconds",
+                                "Seconds since the worker's last heartbeat",
+                                labels=["worker", "role"])
+        workers = GaugeMetricFamily("pdserve_pool_workers", "Workers by role and state",
+                                    labels=["role", "state"])
+        now = self.pool.clock()
+        for w in self.pool.workers.values():
+            labels = [w.id, w.role.name.lower()]
+            running.add_metric(labels, w.load.running)
+            waiting.add_metric(labels, w.load.waiting)
+            kv.add_metric(labels, w.load.kv_usage)
+            inflight.add_metric(labels, w.inflight)
+            age.add_metric(labels, now - w.last_seen)
+        for (role, state), count in sorted(self.pool.counts().items()):
+            workers.add_metric([role, state], count)
+        yield from (running, waiting, kv, inflight, age, workers)

@@ -1,0 +1,222 @@
+"""The controller's side of the control plane: one ROUTER socket, the registry, and a queue per
+request leg that the worker's Output messages are delivered to.
+
+A leg is one Generate sent to one worker (a prefill, a decode, or a local run). When a worker dies,
+is expired, or cannot be reached, every leg on it gets a `WorkerLost` so no waiter hangs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+from pdserve import protocol, transport
+from pdserve.controller.registry import Registry, Worker, WorkerState
+from pdserve.protocol import EngineInfo
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerLost(Exception):
+    """The worker holding a leg died, was expired, or could not be reached."""
+
+    def __init__(self, worker_id: str, why: str):
+        super().__init__(f"worker {worker_id} lost: {why}")
+        self.worker_id = worker_id
+
+
+@dataclass
+class Leg:
+    """One request leg on one worker; outputs (or a WorkerLost) arrive on `queue`."""
+
+    id: str
+    worker: Worker
+    queue: asyncio.Queue
+    done: bool = False
+
+
+class Pool:
+    def __init__(self, bind: str, *, expected: EngineInfo | None = None,
+                 keys: transport.Keys | None = None, heartbeat_interval: float = 1.0,
+                 missed_heartbeats: int = 3, clock: Callable[[], float] = time.monotonic):
+        self.id = f"controller-{uuid.uuid4().hex[:8]}"
+        self.registry = Registry(expected, heartbeat_interval=heartbeat_interval,
+                                 missed=missed_heartbeats, clock=clock)
+        self.ctx = zmq.asyncio.Context()
+        self.auth = transport.Authenticator(self.ctx, keys) if keys is not None else None
+        self.sock = transport.controller_socket(self.ctx, bind, keys)
+        self.legs: dict[str, Leg] = {}
+        self.changed = asyncio.Event()  # set whenever membership changes (tests and waiters)
+        self._tasks: list[asyncio.Task] = []
+        self.dropped_messages = 0
+        self.on_worker_event: Callable[[str, Worker], None] = lambda event, worker: None
+
+    @property
+    def address(self) -> str:
+        return self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._recv_loop()),
+                       asyncio.create_task(self._expiry_loop())]
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for leg in list(self.legs.values()):
+            self._fail(leg, "controller shutting down")
+        if self.auth is not None:
+            self.auth.stop()
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+    # ---- legs ------------------------------------------------------------------------------
+
+    def send(self, worker: Worker, msg: protocol.Generate) -> Leg:
+        """Start a leg; raises WorkerLost at once if the worker cannot be reached."""
+        leg = Leg(msg.request_id, worker, asyncio.Queue())
+        self.legs[leg.id] = leg
+        worker.inflight += 1
+        try:
+            transport.send_nowait(self.sock, msg, to=worker.identity)
+        except zmq.ZMQError as e:  # EHOSTUNREACH (ROUTER_MANDATORY) or a full queue
+            self.finish(leg)
+            self._lost(worker, f"send failed: {e}")
+            raise WorkerLost(worker.id, str(e)) from None
+        return leg
+
+    def finish(self, leg: Leg) -> None:
+        if not leg.done:
+            leg.done = True
+            leg.worker.inflight = max(0, leg.worker.inflight - 1)
+            self.legs.pop(leg.id, None)
+
+    def abort(self, leg: Leg) -> None:
+        """Tell the worker to drop the leg (best effort) and stop tracking it."""
+        if not leg.done:
+            self.finish(leg)
+            try:
+                transport.send_nowait(self.sock, protocol.Abort([leg.id]), to=leg.worker.identity)
+            except zmq.ZMQError:
+                pass  # the worker is gone: its engine went with it
+
+    def _fail(self, leg: Leg, why: str) -> None:
+        leg.queue.put_nowait(WorkerLost(leg.worker.id, why))
+        self.finish(leg)
+
+    def _lost(self, worker: Worker, why: str) -> None:
+        if self.registry.mark_dead(worker.id) is not None:
+            logger.warning("worker %s (%s) is dead: %s", worker.id, worker.role.name.lower(), why)
+            self.on_worker_event("dead", worker)
+            self.changed.set()
+        for leg in [lg for lg in self.legs.values() if lg.worker.id == worker.id]:
+            self._fail(leg, why)
+
+    # ---- receiving -------------------------------------------------------------------------
+
+    async def _recv_loop(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart(copy=True)
+            identity, body = frames[0], frames[1:]
+            try:
+                msg = protocol.decode(body)
+            except protocol.VersionMismatch as e:
+                logger.warning("refused a peer: %s", e)
+                self._reply(identity, protocol.RegisterAck(False, str(e), self.id))
+                continue
+            except protocol.ProtocolError as e:
+                self.dropped_messages += 1
+                logger.warning("dropped a message: %s", e)
+                continue
+            try:
+                self._dispatch(identity, msg)
+            except Exception:  # a handler bug must not stop the loop that serves every request
+                logger.exception("error handling %s", type(msg).__name__)
+
+    def _dispatch(self, identity: bytes, msg: protocol.Message) -> None:
+        if isinstance(msg, protocol.Output):
+            leg = self.legs.get(msg.request_id)
+            if leg is not None and leg.worker.identity == identity:
+                leg.queue.put_nowait(msg)
+                if msg.finished:
+                    self.finish(leg)
+            return
+        if isinstance(msg, protocol.Heartbeat):
+            if not self._from(identity, msg.worker_id):
+                return
+            w = self.registry.heartbeat(msg.worker_id, msg.load, msg.draining)
+            if w is None:
+                self._reply(identity, protocol.RegisterAck(False, "unknown worker", self.id,
+                                                           reregister=True))
+            else:
+                self._reply(identity, protocol.RegisterAck(True, "", self.id,
+                                                           self.registry.heartbeat_interval))
+        elif isinstance(msg, protocol.Register):
+            self._on_register(identity, msg)
+        elif isinstance(msg, protocol.Drain):
+            if self._from(identity, msg.worker_id) and self.registry.drain(msg.worker_id):
+                logger.info("worker %s is draining", msg.worker_id)
+                self.changed.set()
+        elif isinstance(msg, protocol.Unregister):
+            if self._from(identity, msg.worker_id):
+                w = self.registry.unregister(msg.worker_id)
+                if w is not None:
+                    logger.info("worker %s unregistered (%s)", w.id, msg.reason)
+                    for leg in [lg for lg in self.legs.values() if lg.worker.id == w.id]:
+                        self._fail(leg, "worker unregistered")
+                    self.on_worker_event("unregistered", w)
+                    self.changed.set()
+        else:
+            self.dropped_messages += 1
+            logger.warning("dropped a %s: not a worker message", type(msg).__name__)
+
+    def _from(self, identity: bytes, worker_id: str) -> bool:
+        """A worker may only speak for itself (its ZMQ identity is its worker id)."""
+        if identity != worker_id.encode():
+            self.dropped_messages += 1
+            logger.warning("dropped a message for worker %r from identity %r", worker_id, identity)
+            return False
+        return True
+
+    def _on_register(self, identity: bytes, msg: protocol.Register) -> None:
+        if not self._from(identity, msg.worker_id):
+            return
+        old = self.registry.workers.get(msg.worker_id)
+        worker, note = self.registry.register(msg, identity)
+        if worker is None:
+            logger.error("refused worker %s at %s: %s", msg.worker_id, msg.address, note)
+            self._reply(identity, protocol.RegisterAck(False, note, self.id))
+            return
+        if old is not None and old is not worker:
+            # A restarted worker replaces its stale entry; legs on the old engine are gone.
+            for leg in [lg for lg in self.legs.values() if lg.worker is old]:
+                self._fail(leg, "worker restarted")
+        logger.info("worker %s registered: role=%s address=%s:%d model=%s%s", worker.id,
+                    worker.role.name.lower(), worker.address, worker.kv_port, worker.info.model,
+                    " (replaced its earlier entry)" if note else "")
+        self._reply(identity, protocol.RegisterAck(True, "", self.id,
+                                                   self.registry.heartbeat_interval))
+        self.on_worker_event("registered", worker)
+        self.changed.set()
+
+    def _reply(self, identity: bytes, msg) -> None:
+        try:
+            transport.send_nowait(self.sock, msg, to=identity)
+        except zmq.ZMQError:
+            pass  # the peer went away between its message and our answer
+
+    async def _expiry_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.registry.heartbeat_interval / 2)
+            for w in self.registry.expire():
+                self._lost(w, f"no heartbeat for {self.registry.missed} intervals")
+            for w in self.registry.workers.values():
+                if w.state == WorkerState.DEAD:
+                    continue

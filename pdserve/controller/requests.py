@@ -1,0 +1,347 @@
+"""One sequence of one request, from prompt to last token, across prefill and decode workers.
+
+States: QUEUED (waiting for workers) -> PREFILL (prompt on a prefill worker) -> HANDOFF (decode
+worker pulling the KV) -> DECODE (tokens streaming) -> DONE; or LOCAL (a decode worker does both,
+for short prompts). A worker lost or timed out before the handoff retries the prefill elsewhere;
+a decode worker lost mid-stream *migrates* the sequence: the prompt plus the tokens already
+streamed are prefilled again and another decode worker continues, so the client sees each token
+exactly once. An abort at any point frees the request on every worker that holds it, including
+prefill-side blocks that no decode will read.
+
+First token: when the sampler's choice does not depend on where it runs (greedy or unseeded
+sampling, no penalties that count output tokens, no grammar, no stop strings), the prefill's token
+is streamed at once and the decode worker continues from prompt + that token. Otherwise the decode
+worker recomputes the last prompt position and samples the first token itself, so that seeded
+sampling gives exactly what one engine gives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import msgspec
+
+from pdserve import protocol
+from pdserve.controller.pool import Leg, Pool, WorkerLost
+from pdserve.controller.registry import Worker
+from pdserve.controller.router import Policy
+from pdserve.controller.stream import Stream
+from pdserve.errors import NoWorkerAvailable, RequestFailed, StepTimeout
+from pdserve.protocol import ErrorKind, Phase, SeqDelta
+
+logger = logging.getLogger(__name__)
+
+
+class State(str, enum.Enum):
+    QUEUED = "queued"
+    PREFILL = "prefill"
+    HANDOFF = "handoff"
+    DECODE = "decode"
+    LOCAL = "local"
+    DONE = "done"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+
+@dataclass
+class Settings:
+    prefill_policy: str = "least_loaded"
+    decode_policy: str = "least_loaded"
+    local_prefill_threshold: int = 0  # prompts with fewer uncached tokens skip the handoff
+    queue_timeout: float = 10.0  # how long to wait for a worker of a needed role to appear
+    prefill_timeout: float = 300.0
+    token_timeout: float = 120.0  # decode's first token (incl. the KV pull) and each later gap
+    max_retries: int = 2  # failed legs (prefill retries + decode migrations) per sequence
+
+
+class WorkerFailed(Exception):
+    """A worker reported an engine error for a leg (another worker may succeed)."""
+
+
+def streams_first_token(params) -> bool:
+    """Whether the prefill's sampled token may be streamed as the request's first token."""
+    independent = params.temperature == 0 or params.seed is None
+    return (independent and not params.stop and not params.presence_penalty
+            and not params.frequency_penalty and params.structured_outputs is None
+            and not params.logit_bias and not params.allowed_token_ids)
+
+
+def leg_params(params, *, max_tokens: int, min_tokens: int, prompt_logprobs: bool) -> bytes:
+    p = params.clone()
+    p.n = 1
+    p.max_tokens = max_tokens
+    p.min_tokens = min(min_tokens, max_tokens)
+    if not prompt_logprobs:
+        p.prompt_logprobs = None
+    if p.extra_args:
+        # Client-supplied KV-transfer parameters are never forwarded: only the controller may
+        # point a decode worker at blocks, and only at blocks a prefill worker reported.
+        p.extra_args = {k: v for k, v in p.extra_args.items() if k != "kv_transfer_params"} or None
+    return msgspec.msgpack.encode(p)
+
+
+class Sequence:
+    """Drives one sequence (index `index` of a request) and feeds its tokens into `stream`."""
+
+    def __init__(self, pool: Pool, prefill: Policy, decode: Policy, settings: Settings,
+                 request_id: str, prompt: list[int], params, stream: Stream, index: int = 0,
+                 observer=None):
+        self.pool = pool
+        self.prefill_policy = prefill
+        self.decode_policy = decode
+        self.s = settings
+        self.request_id = request_id
+        self.prompt = prompt
+        self.params = params
+        self.stream = stream
+        self.index = index
+        self.state = State.QUEUED
+        self.legs: list[Leg] = []
+        self.pending_kv: tuple[dict, Worker] | None = None  # prefilled, not yet given to decode
+        self.attempt = 0
+        self.failures = 0
+        self.obs = observer or _NoObserver()
+        self.workers_used: list[str] = []
+
+    # ---- public ----------------------------------------------------------------------------
+
+    async def run(self) -> AsyncIterator[None]:
+        """Yield each time the stream has new output; raise a typed error if it cannot finish."""
+        try:
+            while not self._finished:
+                try:
+                    async for _ in self._attempt():
+                        yield
+                except (WorkerLost, WorkerFailed, StepTimeout) as e:
+                    self._release_pending()
+                    self.failures += 1
+                    if self.failures > self.s.max_retries:
+                        self.state = State.FAILED
+                        if isinstance(e, StepTimeout):
+                            raise
+                        raise RequestFailed(f"request {self.request_id} failed on "
+                                            f"{self.failures} workers; last: {e}") from e
+                    done = len(self.stream.tokens(self.index))
+                    self.obs.retried(migrated=done > 0)
+                    logger.warning("request %s: %s; %s after %d tokens (attempt %d)",
+                                   self.request_id, e, "migrating" if done else "retrying",
+                                   done, self.failures + 1)
+            self.state = State.DONE
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        """Free the sequence on every worker that holds part of it."""
+        if self.state not in (State.DONE, State.FAILED):
+            self.state = State.ABORTED
+        for leg in self.legs:
+            self.pool.abort(leg)
+        self.legs.clear()
+        self._release_pending()
+
+    # ---- steps -----------------------------------------------------------------------------
+
+    @property
+    def _finished(self) -> bool:
+        return self.stream.seqs[self.index].finish_reason is not None
+
+    def _leg_id(self, phase: str) -> str:
+        self.attempt += 1
+        return f"{self.request_id}-{self.index}-{phase}{self.attempt}"
+
+    async def _choose(self, side: str, policy: Policy, tokens: list[int]) -> Worker:
+        deadline = time.monotonic() + self.s.queue_timeout
+        while True:
+            w = policy.choose(self.pool.registry.ready(side), tokens)
+            if w is not None:
+                policy.routed(w, tokens)
+                self.workers_used.append(w.id)
+                return w
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise NoWorkerAvailable(side, self.s.queue_timeout)
+            self.pool.changed.clear()
+            try:
+                await asyncio.wait_for(self.pool.changed.wait(), timeout=min(left, 0.5))
+            except asyncio.TimeoutError:
+                pass
+
+    async def _attempt(self) -> AsyncIterator[None]:
+        done = self.stream.tokens(self.index)
+        ctx = self.prompt + done
+        left = self.params.max_tokens - len(done)
+        min_left = max(0, (self.params.min_tokens or 0) - len(done))
+        first_attempt = not done and self.failures == 0
+        want_plp = bool(self.params.prompt_logprobs) and first_attempt
+        self.obs.queued()
+
+        if len(ctx) < self.s.local_prefill_threshold:
+            self.state = State.LOCAL
+            d = await self._choose("decode", self.decode_policy, ctx)
+            self.obs.local(d.id)
+            logger.info("request %s: %d-token prompt prefilled locally on %s", self.request_id,
+                        len(ctx), d.id)
+            leg = self._send(d, Phase.LOCAL, ctx, leg_params(
+                self.params, max_tokens=left, min_tokens=min_left, prompt_logprobs=want_plp))
+            async for _ in self._relay(leg, "local prefill", first_timeout=self.s.prefill_timeout):
+                yield
+            return
+
+        # Prefill.
+        self.state = State.PREFILL
+        p = await self._choose("prefill", self.prefill_policy, ctx)
+        self.obs.prefill_started(p.id)
+        leg = self._send(p, Phase.PREFILL, ctx, leg_params(
+            self.params, max_tokens=1, min_tokens=min(1, min_left), prompt_logprobs=want_plp))
+        outs = [o async for o in self._outputs(leg, "prefill", self.s.prefill_timeout,
+                                               self.s.prefill_timeout)]
+        final = outs[-1]
+        kv = final.kv_transfer_params
+        if want_plp:
+            self.stream.set_prompt_logprobs(next((o.prompt_logprobs for o in outs
+                                                  if o.prompt_logprobs is not None), None))
+        first = _merge([d for o in outs for d in o.seqs])
+        self.obs.prefill_done(len(ctx))
+        if kv is not None:
+            self.pending_kv = (kv, p)
+            self._check_kv(kv, p)
+
+        stream_first = streams_first_token(self.params)
+        if stream_first:
+            ends_here = first.finish_reason is not None and (
+                first.finish_reason != "length" or left <= 1)
+            if not ends_here:
+                first.finish_reason = first.stop_reason = None
+            self.stream.add(first, self.index)
+            self.obs.tokens(len(first.token_ids))
+            yield
+            if ends_here or kv is None:
+                self._release_pending()
+                if not ends_here:
+                    raise WorkerFailed(f"prefill worker {p.id} returned no KV-transfer parameters")
+                return
+            ctx = ctx + first.token_ids
+            left -= len(first.token_ids)
+            min_left = max(0, min_left - len(first.token_ids))
+        elif kv is None:
+            raise WorkerFailed(f"prefill worker {p.id} returned no KV-transfer parameters")
+
+        # Handoff and decode.
+        self.state = State.HANDOFF
+        d = await self._choose("decode", self.decode_policy, ctx)
+        leg = self._send(d, Phase.DECODE, ctx, leg_params(
+            self.params, max_tokens=left, min_tokens=min_left, prompt_logprobs=False),
+            kv_transfer_params=kv)
+        self.pending_kv = None  # the decode worker now owns the handoff
+        offset = first.cumulative_logprob if stream_first else None
+        async for _ in self._relay(leg, "KV handoff", first_timeout=self.s.token_timeout,
+                                   logprob_offset=offset):
+            yield
+
+    # ---- helpers ---------------------------------------------------------------------------
+
+    def _send(self, worker: Worker, phase: Phase, tokens: list[int], params: bytes,
+              kv_transfer_params: dict | None = None) -> Leg:
+        msg = protocol.Generate(self._leg_id(phase.name.lower()[0]), phase, tokens,
+                                msgspec.Raw(params), kv_transfer_params)
+        leg = self.pool.send(worker, msg)
+        self.legs.append(leg)
+        return leg
+
+    async def _outputs(self, leg: Leg, step: str, first_timeout: float,
+                       gap_timeout: float) -> AsyncIterator[protocol.Output]:
+        timeout = first_timeout
+        try:
+            while True:
+                try:
+                    item = await asyncio.wait_for(leg.queue.get(), timeout)
+                except asyncio.TimeoutError:
+                    self.pool.abort(leg)
+                    raise StepTimeout(step, leg.worker.id, timeout) from None
+                if isinstance(item, WorkerLost):
+                    raise item
+                if item.error is not None:
+                    if item.error_kind == ErrorKind.INVALID:
+                        raise ValueError(item.error)
+                    raise WorkerFailed(f"worker {leg.worker.id}: {item.error}")
+                yield item
+                if item.finished:
+                    return
+                step, timeout = "decode", gap_timeout
+        finally:
+            if leg in self.legs:
+                self.legs.remove(leg)
+
+    async def _relay(self, leg: Leg, step: str, first_timeout: float,
+                     logprob_offset: float | None = None) -> AsyncIterator[None]:
+        first = True
+        async for out in self._outputs(leg, step, first_timeout, self.s.token_timeout):
+            if out.num_cached_tokens is not None:
+                self.stream.num_cached_tokens = min(out.num_cached_tokens, len(self.prompt))
+            if out.prompt_logprobs is not None:
+                self.stream.set_prompt_logprobs(out.prompt_logprobs)
+            n = 0
+            for d in out.seqs:
+                if logprob_offset is not None and d.cumulative_logprob is not None:
+                    d.cumulative_logprob += logprob_offset
+                self.stream.add(d, self.index)
+                n += len(d.token_ids)
+            if n:
+                if first:
+                    self.obs.decode_started(leg.worker.id)
+                    first = False
+                self.obs.tokens(n)
+                yield
+
+    def _check_kv(self, kv: dict, p: Worker) -> None:
+        # The parameters must point at the prefill worker that produced them, at its registered
+        # side channel; anything else would let a bad peer aim a decode engine elsewhere.
+        host, port = kv.get("remote_host"), kv.get("remote_port")
+        if host is not None and (host != p.address or (p.kv_port and port != p.kv_port)):
+            self._release_pending()
+            raise WorkerFailed(f"prefill worker {p.id} reported KV at {host}:{port}, "
+                               f"not its registered {p.address}:{p.kv_port}")
+
+    def _release_pending(self) -> None:
+        """Free prefill-side blocks that no decode worker will read."""
+        if self.pending_kv is None:
+            return
+        kv, p = self.pending_kv
+        self.pending_kv = None
+        decoders = self.pool.registry.ready("decode")
+        if not decoders:
+            logger.warning("request %s: no decode worker to release %s's blocks; they expire "
+                           "by the prefill engine's timeout", self.request_id, p.id)
+            return
+        d = min(decoders, key=lambda w: (w.score(), w.id))
+        msg = protocol.Generate(self._leg_id("r"), Phase.RELEASE, [0],
+                                msgspec.Raw(msgspec.msgpack.encode(self.params)), dict(kv))
+        try:
+            leg = self.pool.send(d, msg)
+            self.pool.finish(leg)  # no answer expected
+        except WorkerLost:
+            pass
+
+
+def _merge(deltas: list[SeqDelta]) -> SeqDelta:
+    """The prefill leg's deltas as one (usually there is exactly one)."""
+    out = SeqDelta(0, "", [], None, None, None, None)
+    for d in deltas:
+        out.text += d.text
+        out.token_ids += d.token_ids
+        if d.logprobs is not None:
+            out.logprobs = (out.logprobs or []) + d.logprobs
+        out.cumulative_logprob = d.cumulative_logprob
+        out.finish_reason, out.stop_reason = d.finish_reason, d.stop_reason
+    return out
+
+
+class _NoObserver:
+    def __getattr__(self, name):
+        return lambda *a, **k: None

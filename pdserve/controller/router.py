@@ -1,0 +1,134 @@
+"""Worker-selection policies: small classes over a list of candidate workers (pure logic).
+
+Every policy gets only workers that may take work (ready, right role) and returns one of them.
+Ties are broken by worker id so that a choice is reproducible in tests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from pdserve.controller.registry import Worker
+
+
+class Policy:
+    name = ""
+
+    def choose(self, workers: Sequence[Worker], prompt: Sequence[int] = ()) -> Worker | None:
+        raise NotImplementedError  # abstract: every policy below implements it
+
+    def routed(self, worker: Worker, prompt: Sequence[int]) -> None:
+        """Called once the request is sent to `worker` (for policies that learn)."""
+
+
+class RoundRobin(Policy):
+    name = "round_robin"
+
+    def __init__(self):
+        self._next = 0
+
+    def choose(self, workers, prompt=()):
+        if not workers:
+            return None
+        ordered = sorted(workers, key=lambda w: w.id)
+        w = ordered[self._next % len(ordered)]
+        self._next += 1
+        return w
+
+
+class LeastLoaded(Policy):
+    name = "least_loaded"
+
+    def choose(self, workers, prompt=()):
+        if not workers:
+            return None
+        return min(workers, key=lambda w: (w.score(), w.load.kv_usage, w.id))
+
+
+class PowerOfTwo(Policy):
+    """Two random candidates, the less loaded wins: near least-loaded without herding."""
+
+    name = "power_of_two"
+
+    def __init__(self, rng: random.Random | None = None):
+        self.rng = rng or random.Random()
+
+    def choose(self, workers, prompt=()):
+        if not workers:
+            return None
+        if len(workers) == 1:
+            return workers[0]
+        a, b = self.rng.sample(list(workers), 2)
+        return min((a, b), key=lambda w: (w.score(), w.id))
+
+
+class PrefixAware(Policy):
+    """Send a prompt to the worker that last prefilled its longest known prefix.
+
+    The controller remembers, per block-aligned prefix hash, which worker prefilled it (an LRU
+    of bounded size: an approximation of each engine's prefix cache). The holder wins unless
+    it is busier than the least-loaded candidate by more than `balance` requests, so one hot
+    prefix cannot pile everything on one worker.
+    """
+
+    name = "prefix_aware"
+
+    def __init__(self, block_size: int = 16, balance: float = 4.0, capacity: int = 200_000):
+        self.block_size = block_size
+        self.balance = balance
+        self.capacity = capacity
+        self._owner: OrderedDict[bytes, str] = OrderedDict()
+
+    def _hashes(self, prompt: Sequence[int]) -> list[bytes]:
+        out, h = [], hashlib.blake2b(digest_size=16)
+        full = len(prompt) // self.block_size * self.block_size
+        for start in range(0, full, self.block_size):
+            h.update(bytes(str(list(prompt[start:start + self.block_size])), "ascii"))
+            out.append(h.copy().digest())
+        return out
+
+    def match(self, prompt: Sequence[int]) -> dict[str, int]:
+        """Worker id -> number of leading prompt blocks it is believed to hold."""
+        matched: dict[str, int] = {}
+        for i, h in enumerate(self._hashes(prompt)):
+            owner = self._owner.get(h)
+            if owner is None:
+                break
+            matched[owner] = i + 1
+        return matched
+
+    def choose(self, workers, prompt=()):
+        if not workers:
+            return None
+        least = min(workers, key=lambda w: (w.score(), w.id))
+        matched = self.match(prompt)
+        holders = [w for w in workers if matched.get(w.id)]
+        if not holders:
+            return least
+        best = max(holders, key=lambda w: (matched[w.id], -w.score(), w.id))
+        if best.score() - least.score() > self.balance:
+            return least
+        return best
+
+    def routed(self, worker, prompt):
+        for h in self._hashes(prompt):
+            self._owner[h] = worker.id
+            self._owner.move_to_end(h)
+        while len(self._owner) > self.capacity:
+            self._owner.popitem(last=False)
+
+
+POLICIES = {p.name: p for p in (RoundRobin, LeastLoaded, PowerOfTwo, PrefixAware)}
+PREFILL_POLICIES = sorted(POLICIES)
+DECODE_POLICIES = sorted(n for n in POLICIES if n != PrefixAware.name)
+
+
+def make_policy(name: str, block_size: int = 16) -> Policy:
+    if name not in POLICIES:
+        raise ValueError(f"unknown routing policy {name!r}; choose from {sorted(POLICIES)}")
+    if name == PrefixAware.name:
+        return PrefixAware(block_size=block_size)
+    return POLICIES[name]()

@@ -1,0 +1,167 @@
+"""Serves a PDController with vLLM's own OpenAI-compatible server, plus pdserve's /pd/* routes.
+
+This follows vLLM's `build_and_serve`, with one difference: pdserve's routes are added to the
+app before it starts serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+import msgspec
+from fastapi.responses import HTMLResponse, JSONResponse
+
+from pdserve import transport
+from pdserve.controller.client import PDController
+from pdserve.controller.metrics import Metrics
+from pdserve.controller.pool import Pool
+from pdserve.controller.requests import Settings
+from pdserve.controller.router import DECODE_POLICIES, PREFILL_POLICIES
+
+logger = logging.getLogger("pdserve.controller")
+
+
+def add_pd_args(parser) -> None:
+    g = parser.add_argument_group("pdserve controller")
+    g.add_argument("--worker-host", default=None,
+                   help="address the worker port binds to (default: --host, or 0.0.0.0)")
+    g.add_argument("--worker-port", type=int, default=8001,
+                   help="ZMQ port workers register with")
+    g.add_argument("--keys", default=None,
+                   help="folder from `pdserve keygen`: CurveZMQ-encrypt and authenticate workers")
+    g.add_argument("--prefill-policy", default="least_loaded", choices=PREFILL_POLICIES)
+    g.add_argument("--decode-policy", default="least_loaded", choices=DECODE_POLICIES)
+    g.add_argument("--local-prefill-threshold", type=int, default=0,
+                   help="prompts shorter than this many tokens are prefilled by their decode "
+                        "worker, skipping the KV handoff (0: always disaggregate)")
+    g.add_argument("--heartbeat-interval", type=float, default=1.0)
+    g.add_argument("--missed-heartbeats", type=int, default=3,
+                   help="a worker silent for this many intervals is dead")
+    g.add_argument("--queue-timeout", type=float, default=10.0,
+                   help="seconds a request waits for a worker of a needed role")
+    g.add_argument("--prefill-timeout", type=float, default=300.0)
+    g.add_argument("--token-timeout", type=float, default=120.0,
+                   help="seconds allowed for the KV handoff + first decode token, and between "
+                        "later tokens")
+    g.add_argument("--max-retries", type=int, default=2,
+                   help="failed legs per sequence that are retried or migrated")
+
+
+def make_parser():
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser(
+        prog="pdserve controller",
+        description="pdserve controller: vLLM's OpenAI server over a pool of P/D workers"))
+    add_pd_args(parser)
+    # Users should see the KV handoff: cached_tokens in usage is on unless turned off.
+    parser.set_defaults(enable_prompt_tokens_details=True, port=8000, model=None)
+    return parser
+
+
+def settings_from(args) -> Settings:
+    return Settings(prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
+                    local_prefill_threshold=args.local_prefill_threshold,
+                    queue_timeout=args.queue_timeout, prefill_timeout=args.prefill_timeout,
+                    token_timeout=args.token_timeout, max_retries=args.max_retries)
+
+
+def controller_config(args):
+    """The VllmConfig a worker on the same model would have (no engine is started)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from pdserve.worker.engine import is_cpu_host, resolve_dtype
+
+    args.dtype = resolve_dtype(args.dtype, is_cpu_host())
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    return engine_args.create_engine_config()
+
+
+def expected_info(vllm_config):
+    from pdserve.worker.engine import engine_info
+
+    info = engine_info(vllm_config)
+    return msgspec.structs.replace(info, kv_connector="nixl")
+
+
+def add_routes(app, controller: PDController, metrics: Metrics) -> None:
+    from pdserve.controller.dashboard import DASHBOARD_HTML, recent_stats
+
+    @app.get("/pd/workers")
+    async def pd_workers():
+        return JSONResponse(controller.pool.registry.snapshot())
+
+    @app.get("/pd/stats")
+    async def pd_stats():
+        return JSONResponse(recent_stats(metrics, controller))
+
+    @app.get("/pd/dashboard")
+    async def pd_dashboard():
+        return HTMLResponse(DASHBOARD_HTML)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    import prometheus_client
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.entrypoints.launchers.launcher import serve_http, setup_server
+    from vllm.v1.metrics.prometheus import get_prometheus_registry
+
+    vllm_config = controller_config(args)
+    keys = transport.Keys.load(args.keys) if args.keys else None
+    worker_host = args.worker_host or args.host or "0.0.0.0"
+    pool = Pool(f"tcp://{worker_host}:{args.worker_port}", expected=expected_info(vllm_config),
+                keys=keys, heartbeat_interval=args.heartbeat_interval,
+                missed_heartbeats=args.missed_heartbeats)
+    metrics = Metrics()
+    metrics.watch_pool(pool.registry)
+    registry = get_prometheus_registry()
+    if registry is prometheus_client.REGISTRY:
+        registry.register(metrics.registry)
+    pool.start()
+    controller = PDController(vllm_config, pool, settings_from(args), metrics)
+    logger.info("pdserve controller %s: workers register at %s%s", pool.id, pool.address,
+                " (CurveZMQ)" if keys else "")
+
+    listen_address, sock = setup_server(args, reuse_port=False)
+    supported_tasks = await controller.get_supported_tasks()
+    app = build_app(args, supported_tasks, controller.model_config)
+    add_routes(app, controller, metrics)
+    await init_app_state(controller, app.state, args, supported_tasks)
+    logger.info("pdserve controller serving on %s", listen_address)
+    try:
+        shutdown_task = await serve_http(
+            app, sock=sock, enable_ssl_refresh=args.enable_ssl_refresh, host=args.host,
+            port=args.port, log_level=args.uvicorn_log_level,
+            access_log=not args.disable_uvicorn_access_log,
+            ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+            ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
+            ssl_ciphers=args.ssl_ciphers)
+        await shutdown_task
+    finally:
+        controller.shutdown()
+        await pool.close()
+        sock.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
+
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "model_tag", None) and not args.model:
+        args.model = args.model_tag
+    if not args.model:
+        from pdserve.models import ensure_model
+
+        args.model = str(ensure_model("tiny"))
+    validate_parsed_serve_args(args)
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        asyncio.run(serve(args))
+    except KeyboardInterrupt:
+        pass

@@ -1,0 +1,227 @@
+"""Wire messages between controllers and workers, and their codec.
+
+Every message is two ZMQ frames: a 2-byte header (protocol version, message type) and a msgpack
+body (msgspec, never pickle: these frames cross hosts). Structs are array-like so field names do
+not travel. A peer speaking another version is refused with a message naming both versions.
+
+Channels (one DEALER per worker per controller, one ROUTER per controller):
+  worker -> controller: Register, Heartbeat, Drain, Unregister, Output
+  controller -> worker: RegisterAck, Generate, Abort
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a 128k-token prompt is ~0.5 MB; anything near this is bogus
+
+
+class ProtocolError(Exception):
+    """A frame that cannot be decoded: truncated, unknown type, wrong version or bad body."""
+
+
+class VersionMismatch(ProtocolError):
+    def __init__(self, theirs: int):
+        super().__init__(f"peer speaks pdserve protocol v{theirs}, this process speaks "
+                         f"v{PROTOCOL_VERSION}")
+        self.theirs = theirs
+
+
+class Role(enum.IntEnum):
+    PREFILL = 1
+    DECODE = 2
+    BOTH = 3
+
+    def serves_prefill(self) -> bool:
+        return self in (Role.PREFILL, Role.BOTH)
+
+    def serves_decode(self) -> bool:
+        return self in (Role.DECODE, Role.BOTH)
+
+
+class Phase(enum.IntEnum):
+    """What a Generate asks of a worker."""
+
+    PREFILL = 1  # compute the prompt's KV, keep it for a decode worker, return one token
+    DECODE = 2  # pull the prompt's KV from a prefill worker, then decode
+    LOCAL = 3  # prefill and decode here (no handoff)
+    # Free a prefill worker's blocks that no decode will read (the request was aborted between
+    # prefill and decode): a decode worker tells the prefill worker's connector to let them go.
+    RELEASE = 4
+
+
+class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    pass
+
+
+class EngineInfo(_Msg):
+    """Engine settings that must agree across a pool for a KV handoff to be valid."""
+
+    model: str
+    tokenizer: str
+    block_size: int
+    dtype: str
+    kv_connector: str
+    max_model_len: int
+
+    def mismatches(self, other: EngineInfo) -> list[str]:
+        return [
+            f"{name}: worker has {getattr(other, name)!r}, controller expects {getattr(self, name)!r}"
+            for name in self.__struct_fields__
+            if getattr(self, name) != getattr(other, name)
+        ]
+
+
+class Load(_Msg):
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0  # fraction of the engine's KV blocks in use
+
+
+class Register(_Msg):
+    worker_id: str
+    role: Role
+    address: str  # host peers use to reach this worker's KV side channel
+    info: EngineInfo
+    kv_port: int = 0
+    pid: int = 0
+
+
+class RegisterAck(_Msg):
+    accepted: bool
+    reason: str = ""
+    controller_id: str = ""
+    heartbeat_interval: float = 1.0
+    # Sent in answer to a heartbeat from a worker the controller does not know (it restarted,
+    # or expired the worker): register again.
+    reregister: bool = False
+
+
+class Heartbeat(_Msg):
+    worker_id: str
+    load: Load
+    draining: bool = False
+
+
+class Drain(_Msg):
+    """The worker takes no new requests; it finishes what it has, then unregisters."""
+
+    worker_id: str
+
+
+class Unregister(_Msg):
+    worker_id: str
+    reason: str = ""
+
+
+class Generate(_Msg):
+    request_id: str
+    phase: Phase
+    prompt_token_ids: list[int]
+    # vllm.SamplingParams encoded with msgspec; decoded by the worker (keeps this module free
+    # of vLLM so that the codec and the control plane load fast).
+    sampling_params: msgspec.Raw
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class Abort(_Msg):
+    request_ids: list[str]
+
+
+class TokenLogprob(_Msg):
+    token_id: int
+    logprob: float
+    rank: int | None = None
+    decoded: str | None = None
+
+
+class SeqDelta(_Msg):
+    """New output of one sequence since the previous Output."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[list[TokenLogprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class Output(_Msg):
+    request_id: str
+    seqs: list[SeqDelta]
+    finished: bool = False
+    num_cached_tokens: int | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    prompt_logprobs: list[list[TokenLogprob] | None] | None = None
+    error: str | None = None  # set when the worker could not run the request at all
+    error_kind: int = 0  # ErrorKind
+
+
+class ErrorKind(enum.IntEnum):
+    NONE = 0
+    INVALID = 1  # the engine refused the request (bad parameters): retrying elsewhere won't help
+    ENGINE = 2  # the engine failed or is dead: another worker may succeed
+    DRAINING = 3  # the worker no longer takes requests
+
+
+class MsgType(enum.IntEnum):
+    REGISTER = 1
+    REGISTER_ACK = 2
+    HEARTBEAT = 3
+    DRAIN = 4
+    UNREGISTER = 5
+    GENERATE = 6
+    ABORT = 7
+    OUTPUT = 8
+
+
+_TYPES: dict[MsgType, type[_Msg]] = {
+    MsgType.REGISTER: Register,
+    MsgType.REGISTER_ACK: RegisterAck,
+    MsgType.HEARTBEAT: Heartbeat,
+    MsgType.DRAIN: Drain,
+    MsgType.UNREGISTER: Unregister,
+    MsgType.GENERATE: Generate,
+    MsgType.ABORT: Abort,
+    MsgType.OUTPUT: Output,
+}
+_TYPE_OF = {cls: t for t, cls in _TYPES.items()}
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODERS = {t: msgspec.msgpack.Decoder(cls) for t, cls in _TYPES.items()}
+
+Message = (Register | RegisterAck | Heartbeat | Drain | Unregister | Generate | Abort | Output)
+
+
+def encode(msg: _Msg) -> list[bytes]:
+    return [bytes((PROTOCOL_VERSION, _TYPE_OF[type(msg)])), _ENCODER.encode(msg)]
+
+
+def decode(frames: list[bytes]) -> Message:
+    """Decode the two frames of a message; raise ProtocolError for anything malformed."""
+    if len(frames) != 2:
+        raise ProtocolError(f"expected 2 frames, got {len(frames)}")
+    header, body = frames
+    if len(header) != 2:
+        raise ProtocolError(f"bad header of {len(header)} bytes")
+    version, mtype = header[0], header[1]
+    if version != PROTOCOL_VERSION:
+        raise VersionMismatch(version)
+    if len(body) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {len(body)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        decoder = _DECODERS[MsgType(mtype)]
+    except ValueError:
+        raise ProtocolError(f"unknown message type {mtype}") from None
+    try:
+        return decoder.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ProtocolError(f"bad {MsgType(mtype).name} body: {e}") from None
+
+
+def peek_version(frames: list[bytes]) -> int | None:
+    return frames[0][0] if frames and len(frames[0]) == 2 else None

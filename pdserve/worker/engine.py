@@ -1,0 +1,200 @@
+"""How a worker's vLLM engine is configured for its role, and the engine seam the worker uses.
+
+`Engine` is what PDWorker needs from an engine; `VllmEngine` implements it around AsyncLLM and
+`pdserve.fake.FakeEngine` implements it in-process for control-plane tests.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from pdserve import protocol
+from pdserve.protocol import EngineInfo, Load, Role
+
+KV_ROLES = {Role.PREFILL: "kv_producer", Role.DECODE: "kv_consumer", Role.BOTH: "kv_both"}
+CPU_CONNECTOR = "PDCpuNixlConnector"
+CPU_CONNECTOR_MODULE = "pdserve.kv.cpu_nixl"
+
+
+class Engine(Protocol):
+    info: EngineInfo
+
+    def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: Any,
+                 ) -> AsyncIterator[Any]:
+        """Stream vLLM RequestOutputs (DELTA kind) for one request."""
+        ...
+
+    async def abort(self, request_ids: list[str]) -> None: ...
+
+    async def release(self, request_id: str, kv_transfer_params: dict[str, Any]) -> None:
+        """Free KV blocks a prefill worker holds for a decode that will never run."""
+        ...
+
+    def load(self) -> Load: ...
+
+    def decode_params(self, raw: bytes) -> Any:
+        """Decode wire sampling params into the engine's SamplingParams."""
+        ...
+
+    async def check_health(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+@dataclass
+class EngineSettings:
+    """What pdserve decides about a worker's engine; the rest are vLLM's own engine args."""
+
+    role: Role
+    advertise_host: str = "127.0.0.1"
+    kv_port: int = 5600
+    cores: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0" or "0-3"
+    kv_cache_gib: int = 1  # CPU only (VLLM_CPU_KVCACHE_SPACE takes whole GiB)
+
+
+def is_cpu_host() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def kv_transfer_config(role: Role, cpu: bool) -> dict[str, Any]:
+    if cpu:
+        return {"kv_connector": CPU_CONNECTOR, "kv_connector_module_path": CPU_CONNECTOR_MODULE,
+                "kv_role": KV_ROLES[role], "kv_buffer_device": "cpu"}
+    return {"kv_connector": "NixlConnector", "kv_role": KV_ROLES[role]}
+
+
+def engine_env(s: EngineSettings, cpu: bool) -> dict[str, str]:
+    """Environment the engine-core process reads at start (it is spawned after this is set)."""
+    env = {
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": s.advertise_host,
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(s.kv_port),
+    }
+    # UCX picks its transport and interface itself unless told; over loopback only TCP works.
+    if "UCX_TLS" not in os.environ and cpu:
+        env["UCX_TLS"] = "tcp"
+    if "UCX_NET_DEVICES" not in os.environ and s.advertise_host.startswith("127."):
+        env["UCX_NET_DEVICES"] = "lo"
+    if cpu:
+        env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE",
+                                                       str(s.kv_cache_gib))
+        if s.cores is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = s.cores
+    return env
+
+
+def resolve_dtype(dtype: str, cpu: bool) -> str:
+    # On CPU, vLLM's "auto" turns float32 checkpoints into bfloat16, whose kernels died with
+    # SIGILL on the virtual machines here (AMX advertised, not usable): stay in float32.
+    return "float32" if cpu and dtype == "auto" else dtype
+
+
+def configure(args, s: EngineSettings, cpu: bool):
+    """Set what P/D needs on vLLM's AsyncEngineArgs `args` (in place) and return them."""
+    args.kv_transfer_config = kv_transfer_config(s.role, cpu)
+    args.dtype = resolve_dtype(args.dtype, cpu)
+    args.enable_prefix_caching = True
+    args.disable_log_stats = False  # the stats feed the worker's heartbeat load
+    return args
+
+
+def default_engine_args(model: str, **kwargs):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    kwargs.setdefault("enforce_eager", True)
+    return AsyncEngineArgs(model=model, **kwargs)
+
+
+def engine_info(vllm_config) -> EngineInfo:
+    mc = vllm_config.model_config
+    ktc = vllm_config.kv_transfer_config
+    return EngineInfo(
+        model=os.path.basename(os.path.normpath(mc.model)),
+        tokenizer=os.path.basename(os.path.normpath(mc.tokenizer)),
+        block_size=vllm_config.cache_config.block_size,
+        dtype=str(mc.dtype).removeprefix("torch."),
+        kv_connector=_connector_family(ktc.kv_connector if ktc else None),
+        max_model_len=mc.max_model_len,
+    )
+
+
+def _connector_family(name: str | None) -> str:
+    # The CPU variant moves the same bytes the same way as NixlConnector: they interoperate.
+    return "nixl" if name in ("NixlConnector", CPU_CONNECTOR) else (name or "none")
+
+
+class VllmEngine:
+    """A vLLM AsyncLLM configured for one P/D role."""
+
+    def __init__(self, settings: EngineSettings, args):
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        cpu = is_cpu_host()
+        os.environ.update(engine_env(settings, cpu))
+        self._stats = _LoadRecorder()
+        configure(args, settings, cpu)
+        self.llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._stats.factory])
+        self.info = engine_info(self.llm.vllm_config)
+        self.vllm_config = self.llm.vllm_config
+
+    def generate(self, request_id, prompt_token_ids, sampling_params):
+        prompt = {"type": "token", "prompt_token_ids": prompt_token_ids}
+        return self.llm.generate(prompt, sampling_params, request_id)
+
+    async def abort(self, request_ids: list[str]) -> None:
+        await self.llm.abort(request_ids)
+
+    async def release(self, request_id: str, kv_transfer_params: dict[str, Any]) -> None:
+        # vLLM's own path for "D rejected this request before admitting it": a pre-aborted
+        # request whose connector hook tells the prefill engine to free the blocks.
+        await self.llm.notify_kv_transfer_request_rejected(request_id, kv_transfer_params)
+
+    def load(self) -> Load:
+        return self._stats.load
+
+    def decode_params(self, raw: bytes):
+        import msgspec
+        from vllm import SamplingParams
+
+        return msgspec.msgpack.decode(raw, type=SamplingParams)
+
+    async def check_health(self) -> None:
+        await self.llm.check_health()
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()
+
+
+class _LoadRecorder:
+    """Keeps the latest scheduler figures vLLM reports, for the worker's heartbeats."""
+
+    def __init__(self):
+        self.load = Load()
+
+    def factory(self, vllm_config, engine_index: int = 0):
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        recorder = self
+
+        class _Logger(StatLoggerBase):
+            def __init__(self, vllm_config, engine_index: int = 0):
+                pass
+
+            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None,
+                       engine_idx: int = 0):
+                if scheduler_stats is not None:
+                    recorder.load = protocol.Load(
+                        running=scheduler_stats.num_running_reqs,
+                        waiting=scheduler_stats.num_waiting_reqs
+                        + scheduler_stats.num_skipped_waiting_reqs,
+                        kv_usage=float(scheduler_stats.kv_cache_usage),
+                    )
+
+            def log_engine_initialized(self):
+                pass
+
+        return _Logger(vllm_config, engine_index)

@@ -1,0 +1,126 @@
+"""`pdserve worker`: build the engine for a role, register with the controller(s), serve.
+
+SIGTERM drains (finish in-flight requests, unregister, exit); SIGINT stops at once. The engine's
+own child processes are in this process's group, so whoever stops a worker should signal the
+group (the launcher and the tests do).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+from urllib.parse import urlparse
+
+from pdserve import transport
+from pdserve.protocol import Role
+
+logger = logging.getLogger("pdserve.worker")
+
+
+def make_parser():
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog="pdserve worker",
+                                    description="A vLLM engine serving one P/D role")
+    g = parser.add_argument_group("pdserve worker")
+    g.add_argument("--role", required=True, choices=["prefill", "decode", "both"])
+    g.add_argument("--controller", action="append", required=True, metavar="tcp://HOST:PORT",
+                   help="controller worker port; repeat to serve several controllers")
+    g.add_argument("--worker-id", default=None, help="stable id (default: role + random)")
+    g.add_argument("--advertise-host", default=None,
+                   help="address peers use to reach this worker's KV side channel (default: "
+                        "the local address that routes to the first controller)")
+    g.add_argument("--kv-port", type=int, default=0,
+                   help="NIXL side-channel port (default: a free port)")
+    g.add_argument("--cores", default=None,
+                   help="CPU cores for the engine's compute threads, e.g. 0 or 0-3 (CPU hosts)")
+    g.add_argument("--kv-cache-gib", type=int, default=1, help="KV cache size on CPU hosts")
+    g.add_argument("--keys", default=None, help="folder from `pdserve keygen` (CurveZMQ)")
+    g.add_argument("--health-port", type=int, default=0,
+                   help="serve GET /health here (200 once registered), for probes")
+    g.add_argument("--heartbeat-interval", type=float, default=1.0)
+    g.add_argument("--drain-timeout", type=float, default=600.0,
+                   help="seconds a draining worker waits for in-flight requests")
+    parser = AsyncEngineArgs.add_cli_args(parser)
+    parser.set_defaults(enforce_eager=True, model=None)
+    return parser
+
+
+def route_address(controller_url: str) -> str:
+    """The local address this host uses to reach the controller (what peers can reach too)."""
+    host = urlparse(controller_url).hostname or "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((host, 9))  # UDP connect sends nothing; it only picks a route
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host if host != "0.0.0.0" else "", 0))
+        return s.getsockname()[1]
+
+
+async def _health_server(port: int, worker) -> asyncio.AbstractServer:
+    async def handle(reader, writer):
+        try:
+            await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            ok = any(link.registered for link in worker.links) and not worker.draining
+            status = b"200 OK" if ok else b"503 Service Unavailable"
+            body = b"ok\n" if ok else b"not registered or draining\n"
+            writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Type: text/plain\r\n"
+                         b"Content-Length: " + str(len(body)).encode() +
+                         b"\r\nConnection: close\r\n\r\n" + body)
+            await writer.drain()
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    return await asyncio.start_server(handle, "0.0.0.0", port)
+
+
+async def run(args) -> int:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from pdserve.worker.engine import EngineSettings, VllmEngine
+    from pdserve.worker.worker import PDWorker
+
+    role = Role[args.role.upper()]
+    host = args.advertise_host or route_address(args.controller[0])
+    kv_port = args.kv_port or free_port(host)
+    settings = EngineSettings(role, advertise_host=host, kv_port=kv_port, cores=args.cores,
+                              kv_cache_gib=args.kv_cache_gib)
+    keys = transport.Keys.load(args.keys) if args.keys else None
+    engine = VllmEngine(settings, AsyncEngineArgs.from_cli_args(args))
+    worker = PDWorker(engine, role, args.controller, worker_id=args.worker_id, address=host,
+                      kv_port=kv_port, keys=keys, heartbeat_interval=args.heartbeat_interval,
+                      drain_timeout=args.drain_timeout)
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, lambda: asyncio.ensure_future(worker.drain()))
+    loop.add_signal_handler(signal.SIGINT, worker.stop)
+    health = await _health_server(args.health_port, worker) if args.health_port else None
+    logger.info("worker %s (%s) up: KV side channel %s:%d, controllers %s", worker.worker_id,
+                args.role, host, kv_port, ", ".join(args.controller))
+    try:
+        await worker.run()
+    finally:
+        if health is not None:
+            health.close()
+        engine.shutdown()
+    refused = [lk.refused for lk in worker.links if lk.refused]
+    return 3 if refused and len(refused) == len(worker.links) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    if not args.model:
+        from pdserve.models import ensure_model
+
+        args.model = str(ensure_model("tiny"))
+    return asyncio.run(run(args))
