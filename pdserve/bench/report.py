@@ -1,0 +1,223 @@
+"""Writes a benchmark's results: results.json, report.md and PNG plots.
+
+`results` is the JSON-able dict main.py builds: {"meta": {...}, "configs": {name: {"idle_cpu":
+{...}, "runs": [{"rate": r, "summary": {...}, "by_class": {...}, ...}]}}}. Plots also need the
+per-request records, keyed by (configuration, rate).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from pdserve.bench.metrics import METRICS, Record, samples
+
+NAMES = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2e": "E2E"}
+Records = Mapping[tuple[str, float], Sequence[Record]]
+
+
+def _ms(v: float | None) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return f"{v:,.0f}" if v >= 100 else f"{v:.1f}"
+
+
+def _trio(d: Mapping[str, float]) -> str:
+    return " / ".join(_ms(d[k]) for k in ("p50", "p90", "p99"))
+
+
+def latency_table(results: Mapping[str, Any]) -> list[str]:
+    head = ("| configuration | rate (req/s) | done / failed | TTFT p50 / p90 / p99 (ms) "
+            "| TPOT p50 / p90 / p99 (ms) | ITL p50 / p90 / p99 (ms) | E2E p50 / p90 / p99 (ms) "
+            "| throughput (req/s, out tok/s) | goodput (req/s) | SLO met |")
+    lines = [head, "|" + "---|" * 10]
+    for name, cfg in results["configs"].items():
+        for run in cfg["runs"]:
+            s = run["summary"]
+            lines.append(
+                f"| {name} | {run['rate']:g} | {s['completed']} / {s['failed']} "
+                + "".join(f"| {_trio(s[m])} " for m in METRICS)
+                + f"| {s['request_throughput']:.2f}, {s['output_throughput']:.0f} "
+                f"| {s['goodput']:.2f} | {s['slo_attainment']:.0%} |")
+    return lines
+
+
+def class_table(results: Mapping[str, Any]) -> list[str]:
+    lines = [("| configuration | rate | class | requests | TTFT p50 / p99 (ms) | "
+              "TPOT p50 / p99 (ms) | ITL p99 (ms) | SLO met |"), "|" + "---|" * 8]
+    for name, cfg in results["configs"].items():
+        for run in cfg["runs"]:
+            for cls, s in run.get("by_class", {}).items():
+                lines.append(
+                    f"| {name} | {run['rate']:g} | {cls} | {s['requests']} "
+                    f"| {_ms(s['ttft']['p50'])} / {_ms(s['ttft']['p99'])} "
+                    f"| {_ms(s['tpot']['p50'])} / {_ms(s['tpot']['p99'])} "
+                    f"| {_ms(s['itl']['p99'])} | {s['slo_attainment']:.0%} |")
+    return lines
+
+
+def idle_table(results: Mapping[str, Any]) -> list[str]:
+    lines = [("| configuration | process group | core | idle CPU after warm-up (% of a core) "
+              "| idle CPU after the runs | CPU under load, per rate (% of a core) |"),
+             "|---|---|---|---|---|---|"]
+    for name, cfg in results["configs"].items():
+        after = cfg.get("idle_cpu_after", {})
+        for proc, m in cfg.get("idle_cpu", {}).items():
+            core = cfg.get("cores", {}).get(proc) or "-"
+            a = f"{after[proc]['core_pct']:.1f}" if proc in after else "-"
+            load = ", ".join(f"{r['rate']:g}: {r['cpu'][proc]['core_pct']:.0f}"
+                             for r in cfg["runs"] if proc in r.get("cpu", {}))
+            lines.append(f"| {name} | {proc} | {core} | {m['core_pct']:.1f} | {a} | {load} |")
+    return lines
+
+
+def phase_table(results: Mapping[str, Any]) -> list[str]:
+    """The controller's own means: queueing, prefill leg, KV handoff, TTFT."""
+    lines = [("| configuration | rate | queue (ms) | prefill leg (ms) | KV handoff + first "
+              "decode step (ms) | TTFT at the controller (ms) | local prefills |"),
+             "|" + "---|" * 7]
+    for name, cfg in results["configs"].items():
+        for run in cfg["runs"]:
+            c = run.get("controller") or {}
+            cells = [_ms(c.get(f"{k}_mean_ms")) for k in
+                     ("queue_time", "prefill_time", "kv_handoff", "time_to_first_token")]
+            local = int(c.get("pdserve_local_prefills_total", 0))
+            lines.append(f"| {name} | {run['rate']:g} | " + " | ".join(cells) + f" | {local} |")
+    return lines
+
+
+def best_run(cfg: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The run with the highest goodput (ties: the higher rate)."""
+    runs = cfg.get("runs") or []
+    return max(runs, key=lambda r: (r["summary"]["goodput"], r["rate"]), default=None)
+
+
+def comparison(results: Mapping[str, Any], baseline: str = "colocated") -> list[str]:
+    """Each XpYd against the baseline at its best rate, and rate by rate."""
+    cfgs = results["configs"]
+    if baseline not in cfgs:
+        return []
+    base = best_run(cfgs[baseline])
+    lines = [("| configuration | best rate | goodput (req/s) | x baseline's best | ITL p99 (ms) "
+              "| / baseline's at its best |"), "|---|---|---|---|---|---|"]
+    for name, cfg in cfgs.items():
+        best = best_run(cfg)
+        if best is None or base is None:
+            continue
+        g, bg = best["summary"]["goodput"], base["summary"]["goodput"]
+        i, bi = best["summary"]["itl"]["p99"], base["summary"]["itl"]["p99"]
+        lines.append(f"| {name} | {best['rate']:g} | {g:.2f} | {_ratio(g, bg)} | {_ms(i)} "
+                     f"| {_ratio(i, bi)} |")
+    return lines
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    if a is None or not b or math.isnan(a) or math.isnan(b):
+        return "-"
+    return f"{a / b:.2f}x"
+
+
+def markdown(results: Mapping[str, Any]) -> str:
+    meta = results.get("meta", {})
+    out = ["# pdserve bench", ""]
+    for key in ("command", "model", "workload", "slo", "burstiness", "date", "machine"):
+        if key in meta:
+            out.append(f"- {key}: `{meta[key]}`")
+    out += ["", "## Latency, throughput and goodput", "", *latency_table(results)]
+    if any(run.get("by_class") for c in results["configs"].values() for run in c["runs"]):
+        out += ["", "## By request class", "", *class_table(results)]
+    if comp := comparison(results):
+        out += ["", "## Against the colocated baseline (best goodput of each)", "", *comp]
+    if any(run.get("controller") for c in results["configs"].values() for run in c["runs"]):
+        out += ["", "## Phases as the controller measures them (means)", "",
+                *phase_table(results)]
+    out += ["", "## CPU per process group (whole group: worker and its engine processes)", "",
+            *idle_table(results), ""]
+    return "\n".join(out)
+
+
+def plot_cdfs(records: Records, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = sorted({r for _, r in records})
+    configs = list(dict.fromkeys(c for c, _ in records))
+    fig, axes = plt.subplots(len(rates), len(METRICS), squeeze=False,
+                             figsize=(4 * len(METRICS), 3 * len(rates)))
+    for row, rate in enumerate(rates):
+        for col, metric in enumerate(METRICS):
+            ax = axes[row][col]
+            for cfg in configs:
+                xs = sorted(v * 1e3 for v in samples(records.get((cfg, rate), []), metric))
+                if xs:
+                    ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=cfg)
+            if metric in ("ttft", "itl"):
+                ax.set_xscale("symlog", linthresh=1.0)
+            ax.set_title(f"{NAMES[metric]} at {rate:g} req/s", fontsize=9)
+            ax.set_xlabel("ms", fontsize=8)
+            ax.grid(alpha=0.3)
+            if row == 0 and col == 0:
+                ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def plot_goodput(results: Mapping[str, Any], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, cfg in results["configs"].items():
+        runs = sorted(cfg["runs"], key=lambda r: r["rate"])
+        rates = [r["rate"] for r in runs]
+        line = ax.plot(rates, [r["summary"]["goodput"] for r in runs], marker="o",
+                       label=f"{name} goodput")[0]
+        ax.plot(rates, [r["summary"]["request_throughput"] for r in runs], ls="--",
+                color=line.get_color(), alpha=0.6, label=f"{name} throughput")
+    ax.set_xlabel("request rate (req/s)")
+    ax.set_ylabel("req/s")
+    ax.set_title(f"goodput under {results.get('meta', {}).get('slo', 'the SLO')}", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def write_report(results: Mapping[str, Any], records: Records, out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "results.json", out / "report.md"]
+    paths[0].write_text(json.dumps(_no_nan(results), indent=2, default=_jsonable) + "\n")
+    paths[1].write_text(markdown(results))
+    if records:
+        paths.append(plot_cdfs(records, out / "latency_cdf.png"))
+    if any(c["runs"] for c in results["configs"].values()):
+        paths.append(plot_goodput(results, out / "goodput.png"))
+    return paths
+
+
+def _no_nan(v: Any) -> Any:
+    """NaN (a percentile of nothing) as null, so results.json is standard JSON."""
+    if isinstance(v, float) and math.isnan(v):
+        return None
+    if isinstance(v, Mapping):
+        return {k: _no_nan(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_no_nan(x) for x in v]
+    return v
+
+
+def _jsonable(v: object) -> object:
+    if isinstance(v, Path):
+        return str(v)
+    raise TypeError(f"not JSON-able: {type(v).__name__}")

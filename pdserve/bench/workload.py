@@ -1,0 +1,128 @@
+"""What the benchmark sends: request classes, per-request lengths, arrival times (pure, seeded).
+
+A workload is a list of `Item`s (prompt length, output length, arrival time). It is written as
+a trace that vLLM's benchmark client replays (`--dataset-name timed_trace --self-timed`): the
+client turns each item's `hash_ids` into random prompt token ids (16 per id) and sends them at the
+item's timestamp. Hash ids are unique per item and per run, so no prompt hits a prefix cache.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+CHUNK = 16  # vLLM's --timed-trace-chunk-hash-size default: prompt tokens per hash id
+
+
+@dataclass(frozen=True)
+class RequestClass:
+    name: str
+    share: float  # fraction of all requests
+    input_min: int  # prompt tokens, uniform in [input_min, input_max]
+    input_max: int
+    output_len: int  # generated tokens (EOS is ignored)
+
+
+@dataclass(frozen=True)
+class Item:
+    index: int
+    cls: str
+    input_len: int
+    output_len: int
+    arrival: float  # seconds after the first request may be sent
+
+
+# Issue 7's workload: long prompts with short answers interfering with short chat turns.
+MIXED = (
+    RequestClass("long", 0.3, 1500, 2000, 32),
+    RequestClass("short", 0.7, 90, 110, 128),
+)
+
+
+def uniform(input_len: int, output_len: int, range_ratio: float = 0.0) -> tuple[RequestClass]:
+    """One class, prompt lengths within +-range_ratio of input_len (vLLM's random dataset)."""
+    lo = max(1, math.floor(input_len * (1 - range_ratio)))
+    hi = max(lo, math.ceil(input_len * (1 + range_ratio)))
+    return (RequestClass("random", 1.0, lo, hi, output_len),)
+
+
+def parse_mix(spec: str) -> tuple[RequestClass, ...]:
+    """`SHARE:IN_MIN-IN_MAX:OUT,...` e.g. `0.3:1500-2000:32,0.7:90-110:128`."""
+    classes = []
+    for i, part in enumerate(p for p in spec.split(",") if p.strip()):
+        try:
+            share, ins, out = part.strip().split(":")
+            lo, _, hi = ins.partition("-")
+            classes.append(RequestClass(f"c{i}", float(share), int(lo), int(hi or lo), int(out)))
+        except ValueError:
+            raise ValueError(f"bad mix part {part!r}: want SHARE:IN_MIN-IN_MAX:OUT") from None
+    if not classes:
+        raise ValueError("empty mix")
+    for c in classes:
+        if c.share <= 0 or c.input_min < 1 or c.input_max < c.input_min or c.output_len < 1:
+            raise ValueError(f"bad mix class {c}")
+    return tuple(classes)
+
+
+def class_counts(classes: tuple[RequestClass, ...], n: int) -> list[int]:
+    """Requests per class for n requests: shares rounded so that the counts sum to n."""
+    total = sum(c.share for c in classes)
+    exact = [n * c.share / total for c in classes]
+    counts = [math.floor(x) for x in exact]
+    by_remainder = sorted(range(len(classes)), key=lambda i: (counts[i] - exact[i], i))
+    for i in by_remainder[: n - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+def arrivals(n: int, rate: float, burstiness: float, rng: np.random.Generator) -> list[float]:
+    """Arrival times as vLLM's client draws them: gamma gaps (shape=burstiness; 1 = Poisson),
+    scaled so the last arrival is at n / rate. rate=inf sends everything at once."""
+    if n == 0:
+        return []
+    if math.isinf(rate):
+        return [0.0] * n
+    if rate <= 0 or burstiness <= 0:
+        raise ValueError("rate and burstiness must be positive")
+    if math.isinf(burstiness):
+        gaps = np.full(n, 1.0 / rate)
+    else:
+        gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n)
+    times = np.cumsum(gaps)
+    times *= (n / rate) / times[-1]
+    return [float(t) for t in times]
+
+
+def make_workload(classes: tuple[RequestClass, ...], n: int, rate: float, burstiness: float,
+                  seed: int) -> list[Item]:
+    """n requests with exactly the classes' shares (rounded), in a seeded random order."""
+    rng = random.Random(seed)
+    labels = [c for c, k in zip(classes, class_counts(classes, n)) for _ in range(k)]
+    rng.shuffle(labels)
+    times = arrivals(n, rate, burstiness, np.random.default_rng(seed))
+    return [Item(i, c.name, rng.randint(c.input_min, c.input_max), c.output_len, t)
+            for i, (c, t) in enumerate(zip(labels, times))]
+
+
+def write_trace(items: list[Item], path: Path, run: int = 0) -> Path:
+    """A JSONL trace for vLLM's `timed_trace` dataset; `run` keeps prompts of runs distinct."""
+    base = (run + 1) * 10_000_000
+    with open(path, "w") as f:
+        for it in items:
+            first = base + it.index * 1_000
+            chunks = math.ceil(it.input_len / CHUNK)
+            assert chunks < 1_000, "prompt too long for the hash-id layout"
+            f.write(json.dumps({"timestamp": round(it.arrival, 6), "input_length": it.input_len,
+                                "output_length": it.output_len,
+                                "hash_ids": list(range(first, first + chunks))}) + "\n")
+    return path
+
+
+def describe(classes: tuple[RequestClass, ...]) -> str:
+    return ", ".join(f"{c.share:.0%} {c.name}: prompts {c.input_min}-{c.input_max} tokens, "
+                     f"{c.output_len} out" for c in classes)

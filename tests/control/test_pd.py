@@ -1,0 +1,214 @@
+"""The request path prefill -> KV handoff -> decode, through PDController with fake engines."""
+
+from __future__ import annotations
+
+import pytest
+from fakepool import final_tokens, greedy
+from vllm import SamplingParams
+from vllm.sampling_params import RequestOutputKind
+
+from pdserve import fake
+
+PROMPT = list(range(100, 140))  # 40 tokens: two full 16-token blocks and a partial one
+DELTA, CUMULATIVE, FINAL = (RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE,
+                            RequestOutputKind.FINAL_ONLY)
+
+
+@pytest.mark.parametrize("kind", [DELTA, CUMULATIVE, FINAL])
+async def test_output_equals_one_engine_run(pd, kind):
+    params = greedy(12, kind)
+    outs = await pd.run(PROMPT, params)
+    assert final_tokens(outs, kind) == fake.reference(PROMPT, params).token_ids
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
+    assert all(not o.finished for o in outs[:-1])
+    if kind == FINAL:
+        assert len(outs) == 1
+    if kind == DELTA:
+        assert len(outs) == 12  # one output per token, none repeated
+    text = "".join(c.text for o in outs for c in o.outputs) if kind == DELTA \
+        else outs[-1].outputs[0].text
+    assert text == fake.reference(PROMPT, params).text
+    await pd.assert_clean()
+
+
+async def test_prefill_and_decode_both_ran_with_a_real_handoff(pd):
+    p, d = pd.engines()
+    await pd.run(PROMPT, greedy(5))
+    assert len(p.served) == 1 and len(d.served) == 1
+    assert d.kv_reads == 1
+    await pd.assert_clean()
+
+
+async def test_num_cached_tokens_reports_the_prompts_full_blocks(pd):
+    outs = await pd.run(PROMPT, greedy(4))
+    assert outs[-1].num_cached_tokens == 32
+
+
+def sampled(max_tokens, kind, **kw):
+    # The fake engine ignores temperature and seeds: every sequence gets the greedy tokens.
+    return SamplingParams(max_tokens=max_tokens, temperature=1.0, ignore_eos=True,
+                          output_kind=kind, **kw)
+
+
+async def test_n_2_gives_two_sequences_from_one_engines_tokens(pd):
+    params = sampled(6, FINAL, n=2, seed=3)
+    outs = await pd.run(PROMPT, params)
+    ref = fake.reference(PROMPT, greedy(6)).token_ids
+    assert sorted(c.index for c in outs[-1].outputs) == [0, 1]
+    assert final_tokens(outs, FINAL, 0) == ref and final_tokens(outs, FINAL, 1) == ref
+    await pd.assert_clean()
+
+
+async def test_n_2_streaming_interleaves_without_duplicates(pd):
+    outs = await pd.run(PROMPT, sampled(6, DELTA, n=2))
+    ref = fake.reference(PROMPT, greedy(6)).token_ids
+    assert final_tokens(outs, DELTA, 0) == ref and final_tokens(outs, DELTA, 1) == ref
+
+
+async def test_max_tokens_1_is_served_by_the_prefill_alone(pd):
+    p, d = pd.engines()
+    params = greedy(1, FINAL)
+    outs = await pd.run(PROMPT, params)
+    assert final_tokens(outs, FINAL) == fake.reference(PROMPT, params).token_ids
+    assert outs[-1].outputs[0].finish_reason == "length"
+    assert d.served == []
+    await pd.assert_clean()  # the prefill's blocks were released, not stranded
+
+
+def _prompt_that_stops_at(n_tokens: int) -> list[int]:
+    """A prompt whose greedy output ends with eos as token n_tokens."""
+    for i in range(10_000):
+        prompt = [7, i, i + 1]
+        ref = fake.reference(prompt, SamplingParams(max_tokens=50))
+        if ref.finish_reason == "stop" and len(ref.token_ids) == n_tokens:
+            return prompt
+    raise AssertionError("no such prompt")
+
+
+@pytest.mark.parametrize("at", [1, 2, 5])
+async def test_stops_at_eos_like_one_engine(pd, at):
+    prompt = _prompt_that_stops_at(at)
+    params = SamplingParams(max_tokens=50, temperature=0, output_kind=FINAL)
+    outs = await pd.run(prompt, params)
+    ref = fake.reference(prompt, params)
+    assert final_tokens(outs, FINAL) == ref.token_ids and ref.token_ids[-1] == fake.EOS_TOKEN_ID
+    assert outs[-1].outputs[0].finish_reason == "stop"
+    await pd.assert_clean()
+
+
+async def test_eos_as_first_token_with_stop_strings(pd):
+    # Stop strings make the decode worker sample the first token itself; a prefill that ends
+    # at eos hands over no KV (as NixlConnector), and the request must still end like one engine.
+    prompt = _prompt_that_stops_at(1)
+    params = SamplingParams(max_tokens=50, temperature=0, stop=["never"], output_kind=FINAL)
+    outs = await pd.run(prompt, params)
+    assert final_tokens(outs, FINAL) == [fake.EOS_TOKEN_ID]
+    assert outs[-1].outputs[0].finish_reason == "stop"
+    await pd.assert_clean()
+
+
+async def test_stop_token_and_min_tokens(pd):
+    ref = fake.reference(PROMPT, greedy(20))
+    stop_tok = ref.token_ids[3]
+    params = greedy(20, FINAL, stop_token_ids=[stop_tok])
+    outs = await pd.run(PROMPT, params)
+    assert final_tokens(outs, FINAL) == ref.token_ids[:4]
+    assert outs[-1].outputs[0].stop_reason == stop_tok
+    params = greedy(20, FINAL, stop_token_ids=[stop_tok], min_tokens=6)
+    outs = await pd.run(PROMPT, params)
+    assert final_tokens(outs, FINAL) == fake.reference(PROMPT, params).token_ids
+    assert len(final_tokens(outs, FINAL)) >= 6
+    await pd.assert_clean()
+
+
+async def test_stop_string_is_found_across_the_handoff(pd):
+    ref = fake.reference(PROMPT, greedy(20))
+    stop = ref.text[8:14]  # spans tokens somewhere after the first
+    params = greedy(20, FINAL, stop=[stop])
+    outs = await pd.run(PROMPT, params)
+    expected = fake.reference(PROMPT, params)
+    assert outs[-1].outputs[0].text == expected.text and stop not in expected.text
+    assert outs[-1].outputs[0].stop_reason == stop
+    await pd.assert_clean()
+
+
+@pytest.mark.parametrize("length", [1, 15, 16, 17])
+async def test_short_prompts(pd, length):
+    prompt = list(range(300, 300 + length))
+    params = greedy(5)
+    outs = await pd.run(prompt, params)
+    assert final_tokens(outs) == fake.reference(prompt, params).token_ids
+    assert outs[-1].num_cached_tokens == length // 16 * 16
+    await pd.assert_clean()
+
+
+async def test_logprobs_pass_through(pd):
+    params = greedy(5, FINAL, logprobs=2, prompt_logprobs=1)
+    outs = await pd.run(PROMPT, params)
+    ref = fake.reference(PROMPT, params)
+    c = outs[-1].outputs[0]
+    assert len(c.logprobs) == 5
+    for tok, lps in zip(c.token_ids, c.logprobs):
+        assert lps[tok].rank == 1 and len(lps) == 3
+    assert c.cumulative_logprob == pytest.approx(ref.cumulative_logprob)
+    plp = outs[-1].prompt_logprobs
+    assert plp is not None and len(plp) == len(PROMPT) and plp[0] is None
+    assert set(plp[1]) == {PROMPT[1]}
+
+
+async def test_streamed_logprobs_one_entry_per_token(pd):
+    outs = await pd.run(PROMPT, greedy(5, DELTA, logprobs=0))
+    assert [len(c.logprobs) for o in outs for c in o.outputs] == [1] * 5
+
+
+async def test_local_prefill_below_threshold_skips_the_handoff(make_cluster):
+    from fakepool import fast_settings
+
+    c = await make_cluster(settings=fast_settings(local_prefill_threshold=20))
+    await c.add("prefill")
+    await c.add("decode")
+    p, d = c.engines()
+    short = list(range(10))
+    outs = await c.run(short, greedy(6))
+    assert final_tokens(outs) == fake.reference(short, greedy(6)).token_ids
+    assert p.served == [] and len(d.served) == 1 and d.kv_reads == 0
+    outs = await c.run(PROMPT, greedy(6))
+    assert final_tokens(outs) == fake.reference(PROMPT, greedy(6)).token_ids
+    assert len(p.served) == 1
+    await c.assert_clean()
+
+
+async def test_both_role_worker_serves_alone(cluster):
+    await cluster.add("both")
+    outs = await cluster.run(PROMPT, greedy(6))
+    assert final_tokens(outs) == fake.reference(PROMPT, greedy(6)).token_ids
+    await cluster.assert_clean()
+
+
+async def test_client_kv_transfer_params_are_ignored(pd):
+    _, d = pd.engines()
+    params = greedy(4, extra_args={"kv_transfer_params": {
+        "do_remote_prefill": True, "remote_engine_id": "elsewhere", "remote_host": "10.9.9.9",
+        "remote_port": 1, "remote_block_ids": [0, 1], "remote_request_id": "x"}})
+    outs = await pd.run(PROMPT, params)
+    assert final_tokens(outs) == fake.reference(PROMPT, greedy(4)).token_ids
+    assert d.kv_reads == 1  # it read from the real prefill, not where the client pointed
+    await pd.assert_clean()
+
+
+async def test_prompt_longer_than_the_context_is_a_value_error(pd):
+    with pytest.raises(ValueError):
+        await pd.run(list(range(5000)), greedy(4))
+    outs = await pd.run(PROMPT, greedy(4))  # and the system keeps serving
+    assert len(final_tokens(outs)) == 4
+    await pd.assert_clean()
+
+
+async def test_many_concurrent_requests(pd):
+    import asyncio
+
+    prompts = [[i, i + 1, i + 2] * (1 + i % 20) for i in range(40)]
+    results = await asyncio.gather(*(pd.run(p, greedy(6)) for p in prompts))
+    for p, outs in zip(prompts, results):
+        assert final_tokens(outs) == fake.reference(p, greedy(6)).token_ids
+    await pd.assert_clean()

@@ -1,0 +1,177 @@
+"""Failures before and after the handoff: retries, migrations, and clear errors instead of hangs."""
+
+from __future__ import annotations
+
+import asyncio
+from http import HTTPStatus
+
+import pytest
+from fakepool import fast_settings, final_tokens, greedy, wait_until
+from vllm.exceptions import GracefulHTTPError
+
+from pdserve import fake
+from pdserve.protocol import Role
+from pdserve.worker.worker import PDWorker
+
+PROMPT = list(range(400, 450))
+
+
+def retries(cluster, kind: str) -> float:
+    return cluster.controller.metrics.registry.get_sample_value(
+        "pdserve_retries_total", {"kind": kind}) or 0.0
+
+
+async def test_prefill_error_before_handoff_is_retried_on_another_worker(cluster):
+    bad, = await cluster.add("prefill", fail_after_tokens=0)  # chosen first (lowest id)
+    good, = await cluster.add("prefill")
+    await cluster.add("decode")
+    outs = await cluster.run(PROMPT, greedy(6))
+    assert final_tokens(outs) == fake.reference(PROMPT, greedy(6)).token_ids
+    assert len(bad.engine.served) == 1 and len(good.engine.served) == 1
+    assert retries(cluster, "prefill_retry") == 1
+    await cluster.assert_clean()
+
+
+async def test_prefill_worker_killed_mid_prefill_is_retried(cluster):
+    slow, = await cluster.add("prefill", prefill_delay_per_token=0.2)
+    await cluster.add("prefill")
+    await cluster.add("decode")
+    req = asyncio.create_task(cluster.run(PROMPT, greedy(6)))
+    await wait_until(lambda: slow.engine.active_requests(), what="the prefill to start")
+    await cluster.kill(slow.worker_id)
+    outs = await req
+    assert final_tokens(outs) == fake.reference(PROMPT, greedy(6)).token_ids
+    assert retries(cluster, "prefill_retry") == 1
+    await cluster.assert_clean()
+
+
+@pytest.mark.parametrize("how", ["killed", "engine_error"])
+async def test_decode_worker_lost_mid_stream_is_migrated_without_gaps(cluster, how):
+    await cluster.add("prefill")
+    kw = {"fail_after_tokens": 7} if how == "engine_error" else {"decode_delay": 0.02}
+    d1, = await cluster.add("decode", **kw)
+    d2, = await cluster.add("decode")
+    params = greedy(30)
+    req = asyncio.create_task(cluster.run(PROMPT, params))
+    if how == "killed":
+        await wait_until(lambda: d1.engine.active_requests(), what="decode to start")
+        await asyncio.sleep(0.15)
+        await cluster.kill(d1.worker_id)
+    outs = await req
+    tokens = final_tokens(outs)
+    assert tokens == fake.reference(PROMPT, params).token_ids  # no duplicate, none missing
+    assert len(outs) == 30  # one DELTA output per token
+    assert len(d2.engine.served) == 1 and retries(cluster, "migration") == 1
+    text = "".join(c.text for o in outs for c in o.outputs)
+    assert text == fake.reference(PROMPT, params).text
+    await cluster.assert_clean()
+
+
+async def test_migrated_request_keeps_logprobs_and_stops_where_one_engine_stops(cluster):
+    await cluster.add("prefill")
+    await cluster.add("decode", fail_after_tokens=4)
+    await cluster.add("decode")
+    ref = fake.reference(PROMPT, greedy(25))
+    params = greedy(25, logprobs=1, stop_token_ids=[ref.token_ids[12]])
+    outs = await cluster.run(PROMPT, params)
+    assert final_tokens(outs) == ref.token_ids[:13]
+    assert sum(len(c.logprobs) for o in outs for c in o.outputs) == 13
+    assert outs[-1].outputs[0].stop_reason == ref.token_ids[12]
+
+
+async def test_no_prefill_worker_is_a_503_not_a_hang(cluster):
+    p, = await cluster.add("prefill")
+    await cluster.add("decode")
+    await cluster.kill(p.worker_id)
+    await wait_until(lambda: not cluster.pool.registry.ready("prefill"), 5, "prefill expiry")
+    with pytest.raises(GracefulHTTPError) as e:
+        await cluster.run(PROMPT, greedy(4), timeout=10)
+    assert e.value.http_status == HTTPStatus.SERVICE_UNAVAILABLE and "prefill" in str(e.value)
+    with pytest.raises(GracefulHTTPError) as e:
+        cluster.controller.check_admission()
+    assert e.value.http_status == HTTPStatus.SERVICE_UNAVAILABLE
+    await cluster.assert_clean()
+
+
+async def test_last_decode_worker_dying_mid_stream_is_a_503(cluster):
+    await cluster.add("prefill")
+    d, = await cluster.add("decode", decode_delay=0.02)
+    req = asyncio.create_task(cluster.run(PROMPT, greedy(200), timeout=15))
+    await wait_until(lambda: d.engine.active_requests(), what="decode to start")
+    await cluster.kill(d.worker_id)
+    with pytest.raises(GracefulHTTPError) as e:
+        await req
+    assert e.value.http_status == HTTPStatus.SERVICE_UNAVAILABLE and "decode" in str(e.value)
+    await cluster.assert_clean()
+
+
+async def test_empty_pool_is_a_503(cluster):
+    with pytest.raises(GracefulHTTPError) as e:
+        await cluster.run(PROMPT, greedy(4))
+    assert e.value.http_status == HTTPStatus.SERVICE_UNAVAILABLE
+
+
+async def test_stalled_decode_is_timed_out_and_migrated(make_cluster):
+    c = await make_cluster(settings=fast_settings(token_timeout=0.5))
+    await c.add("prefill")
+    stuck, = await c.add("decode", stall_after_tokens=5)
+    await c.add("decode")
+    outs = await c.run(PROMPT, greedy(12))
+    assert final_tokens(outs) == fake.reference(PROMPT, greedy(12)).token_ids
+    assert retries(c, "migration") == 1
+    await c.assert_clean()  # the stalled leg was aborted on its worker
+
+
+async def test_every_decode_stalling_ends_with_a_504(make_cluster):
+    c = await make_cluster(settings=fast_settings(token_timeout=0.3, max_retries=1))
+    await c.add("prefill")
+    await c.add("decode", 2, stall_after_tokens=0)
+    with pytest.raises(GracefulHTTPError) as e:
+        await c.run(PROMPT, greedy(8), timeout=10)
+    assert e.value.http_status == HTTPStatus.GATEWAY_TIMEOUT
+    await c.assert_clean()
+
+
+async def test_stalled_prefill_is_timed_out_and_retried(make_cluster):
+    c = await make_cluster(settings=fast_settings(prefill_timeout=0.5))
+    await c.add("prefill", stall_after_tokens=0)
+    await c.add("prefill")
+    await c.add("decode")
+    outs = await c.run(PROMPT, greedy(5))
+    assert final_tokens(outs) == fake.reference(PROMPT, greedy(5)).token_ids
+    await c.assert_clean()
+
+
+async def test_repeated_failures_end_with_a_502(make_cluster):
+    c = await make_cluster(settings=fast_settings(max_retries=2))
+    await c.add("prefill", 3, fail_after_tokens=0)
+    await c.add("decode")
+    with pytest.raises(GracefulHTTPError) as e:
+        await c.run(PROMPT, greedy(5))
+    assert e.value.http_status == HTTPStatus.BAD_GATEWAY
+    await c.assert_clean()
+
+
+async def test_prefill_reporting_kv_at_another_address_is_not_trusted(cluster):
+    # A worker registered at 127.0.0.1 whose engine claims its KV lives elsewhere.
+    engine = fake.FakeEngine(address="10.1.2.3", kv_port=5555)
+    liar = PDWorker(engine, Role.PREFILL, [cluster.address], worker_id="prefill-0-liar",
+                    address="127.0.0.1", kv_port=5555, heartbeat_interval=cluster.heartbeat)
+    cluster.workers[liar.worker_id] = liar
+    cluster.runs[liar.worker_id] = asyncio.create_task(liar.run())
+    await wait_until(lambda: cluster.is_ready(liar.worker_id))
+    await cluster.add("prefill")
+    d, = await cluster.add("decode")
+    outs = await cluster.run(PROMPT, greedy(5))
+    assert final_tokens(outs) == fake.reference(PROMPT, greedy(5)).token_ids
+    assert len(engine.served) == 1 and d.engine.kv_reads == 1
+    await cluster.assert_clean()  # the liar's blocks were released too
+
+
+async def test_invalid_request_is_not_retried(cluster):
+    p, = await cluster.add("prefill")
+    await cluster.add("prefill")
+    await cluster.add("decode")
+    with pytest.raises(ValueError):
+        await cluster.run(list(range(4096)), greedy(4))
+    assert retries(cluster, "prefill_retry") == 0

@@ -1,0 +1,96 @@
+"""Real engines, shared by every end-to-end test: one `pdserve serve` 1P1D and one plain vLLM
+server on the same model (the reference outputs). Each takes ~20-45 s to start."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from procs import Proc, free_port, pdserve, ready_workers, wait_for
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "/e2e/" in str(item.fspath):
+            item.add_marker(pytest.mark.e2e)
+
+
+@dataclass
+class Server:
+    base: str
+    proc: Proc
+    worker_port: int = 0
+    keys: str | None = None
+
+    @property
+    def v1(self) -> str:
+        return self.base + "/v1"
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> str:
+    from pdserve.models import ensure_model
+
+    return str(ensure_model("tiny"))
+
+
+@pytest.fixture(scope="session")
+def logs(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("logs")
+
+
+@pytest.fixture(scope="session")
+def pd_server(model_dir, logs):
+    port, wport = free_port(), free_port()
+    p = Proc("serve", pdserve("serve", "--model", model_dir, "--port", str(port),
+                              "--worker-port", str(wport)), logs)
+    try:
+        wait_for(lambda: "pdserve ready" in p.log(), 400, "pdserve serve", [p])
+        server = Server(f"http://127.0.0.1:{port}", p, wport)
+        yield server
+    finally:
+        p.stop(90)
+
+
+@pytest.fixture(scope="session")
+def reference(model_dir, logs):
+    """vLLM's own server on one plain engine: what pdserve's outputs must equal."""
+    port = free_port()
+    p = Proc("reference", [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                           "--model", model_dir, "--dtype", "float32", "--enforce-eager",
+                           "--host", "127.0.0.1", "--port", str(port),
+                           "--enable-prompt-tokens-details"], logs,
+             env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    try:
+        wait_for(lambda: _health(f"http://127.0.0.1:{port}"), 400, "reference server", [p])
+        yield Server(f"http://127.0.0.1:{port}", p)
+    finally:
+        p.stop(60)
+
+
+def _health(base: str) -> bool:
+    import urllib.request
+
+    with urllib.request.urlopen(base + "/health", timeout=2) as r:
+        return r.status == 200
+
+
+@pytest.fixture(scope="session")
+def pd_client(pd_server, model_dir):
+    import openai
+
+    return openai.OpenAI(base_url=pd_server.v1, api_key="none", timeout=120, max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def ref_client(reference):
+    import openai
+
+    return openai.OpenAI(base_url=reference.v1, api_key="none", timeout=120, max_retries=0)
+
+
+@pytest.fixture()
+def pool(pd_server):
+    return lambda role=None: ready_workers(pd_server.base, role)

@@ -1,0 +1,154 @@
+"""pdserve 1P1D through vLLM's OpenAI server, against one plain vLLM engine on the same model,
+with the official openai client: the tokens must be the same."""
+
+from __future__ import annotations
+
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+LENGTHS = [1, 2, 17, 127, 128, 129, 300, 1200]
+IDS = {"return_token_ids": True}
+
+
+def prompt_ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(4, 2000) for _ in range(n)]
+
+
+def complete(client, model, prompt, **kw):
+    r = client.completions.create(model=model, prompt=prompt, extra_body=IDS, **kw)
+    return [(c.text, c.token_ids, c.finish_reason) for c in sorted(r.choices, key=lambda c: c.index)], r
+
+
+def stream_complete(client, model, prompt, **kw):
+    text, ids, finish = "", [], None
+    for chunk in client.completions.create(model=model, prompt=prompt, stream=True,
+                                           extra_body=IDS, **kw):
+        for c in chunk.choices:
+            text += c.text
+            ids += c.token_ids or []
+            finish = c.finish_reason or finish
+    return text, ids, finish
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+def test_greedy_completion_equals_plain_engine(pd_client, ref_client, model_dir, n):
+    prompt = prompt_ids(n, seed=n)
+    ours, _ = complete(pd_client, model_dir, prompt, max_tokens=16, temperature=0)
+    ref, _ = complete(ref_client, model_dir, prompt, max_tokens=16, temperature=0)
+    assert ours == ref
+    assert len(ours[0][1]) == 16
+
+
+@pytest.mark.parametrize("n", [1, 129, 1200])
+def test_greedy_streaming_equals_plain_engine(pd_client, ref_client, model_dir, n):
+    prompt = prompt_ids(n, seed=1000 + n)
+    ours = stream_complete(pd_client, model_dir, prompt, max_tokens=12, temperature=0)
+    ref = stream_complete(ref_client, model_dir, prompt, max_tokens=12, temperature=0)
+    assert ours == ref
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_equals_plain_engine(pd_client, ref_client, model_dir, stream):
+    messages = [{"role": "system", "content": "You write Python."},
+                {"role": "user", "content": "def parse(self, text):"}]
+
+    def chat(client):
+        if not stream:
+            r = client.chat.completions.create(model=model_dir, messages=messages, max_tokens=10,
+                                               temperature=0, extra_body=IDS)
+            return r.choices[0].message.content, r.choices[0].token_ids
+        text, ids = "", []
+        for chunk in client.chat.completions.create(model=model_dir, messages=messages,
+                                                    max_tokens=10, temperature=0, stream=True,
+                                                    extra_body=IDS):
+            for c in chunk.choices:
+                text += c.delta.content or ""
+                ids += getattr(c, "token_ids", None) or []
+        return text, ids
+
+    assert chat(pd_client) == chat(ref_client)
+
+
+def test_sixteen_concurrent_requests(pd_client, ref_client, model_dir):
+    prompts = [prompt_ids(20 + 37 * i, seed=2000 + i) for i in range(16)]
+    with ThreadPoolExecutor(16) as ex:
+        ours = list(ex.map(lambda p: complete(pd_client, model_dir, p, max_tokens=8,
+                                              temperature=0)[0], prompts))
+    ref = [complete(ref_client, model_dir, p, max_tokens=8, temperature=0)[0] for p in prompts]
+    assert ours == ref
+
+
+def test_handoff_is_real(pd_client, pd_server, model_dir, pool):
+    block = pool("decode")[0]["block_size"]
+    prompt = prompt_ids(2 * block + 44, seed=3000)  # never seen before by either engine
+    _, r = complete(pd_client, model_dir, prompt, max_tokens=4, temperature=0)
+    cached = r.usage.prompt_tokens_details.cached_tokens
+    full_blocks = len(prompt) // block * block
+    assert full_blocks <= cached <= len(prompt)
+    assert "KV Transfer metrics" in pd_server.proc.log() or "successful transfers" in \
+        pd_server.proc.log()
+
+
+def test_seeded_sampling_equals_plain_engine(pd_client, ref_client, model_dir):
+    prompt = prompt_ids(150, seed=4000)
+    kw = dict(max_tokens=12, temperature=0.9, top_p=0.95, seed=1234)
+    ours, _ = complete(pd_client, model_dir, prompt, **kw)
+    ref, _ = complete(ref_client, model_dir, prompt, **kw)
+    again, _ = complete(pd_client, model_dir, prompt, **kw)
+    assert ours == ref == again
+
+
+def test_n_greater_than_one(pd_client, ref_client, model_dir):
+    prompt = prompt_ids(60, seed=5000)
+    ours, _ = complete(pd_client, model_dir, prompt, max_tokens=6, temperature=0.8, seed=7, n=3)
+    ref, _ = complete(ref_client, model_dir, prompt, max_tokens=6, temperature=0.8, seed=7, n=3)
+    assert len(ours) == 3
+    assert ours == ref
+
+
+def test_stop_string_and_max_tokens(pd_client, ref_client, model_dir):
+    prompt = prompt_ids(40, seed=6000)
+    full, _ = complete(ref_client, model_dir, prompt, max_tokens=20, temperature=0)
+    stop = full[0][0][len(full[0][0]) // 2:][:3]  # a piece of what greedy decoding will write
+    ours, _ = complete(pd_client, model_dir, prompt, max_tokens=20, temperature=0, stop=[stop])
+    ref, _ = complete(ref_client, model_dir, prompt, max_tokens=20, temperature=0, stop=[stop])
+    assert ours == ref
+    assert ours[0][2] == "stop"
+    one, _ = complete(pd_client, model_dir, prompt, max_tokens=1, temperature=0)
+    assert len(one[0][1]) == 1 and one[0][2] == "length"
+
+
+def test_echo_and_logprobs(pd_client, ref_client, model_dir):
+    prompt = prompt_ids(30, seed=7000)
+    kw = dict(max_tokens=4, temperature=0, logprobs=2, echo=True)
+    ours = pd_client.completions.create(model=model_dir, prompt=prompt, **kw).choices[0]
+    ref = ref_client.completions.create(model=model_dir, prompt=prompt, **kw).choices[0]
+    assert ours.text == ref.text
+    assert ours.logprobs.tokens == ref.logprobs.tokens
+    ours_lp = [x for x in ours.logprobs.token_logprobs if x is not None]
+    ref_lp = [x for x in ref.logprobs.token_logprobs if x is not None]
+    assert ours_lp == pytest.approx(ref_lp, abs=1e-3)
+
+
+def test_prompt_longer_than_context_is_a_4xx_and_serving_goes_on(pd_client, model_dir):
+    with pytest.raises(openai.BadRequestError) as e:
+        pd_client.completions.create(model=model_dir, prompt=prompt_ids(5000, seed=1),
+                                     max_tokens=4)
+    assert "context" in str(e.value).lower() or "maximum" in str(e.value).lower()
+    ours, _ = complete(pd_client, model_dir, prompt_ids(10, seed=2), max_tokens=3, temperature=0)
+    assert len(ours[0][1]) == 3
+
+
+def test_client_kv_transfer_params_are_ignored(pd_client, ref_client, model_dir):
+    """A client cannot aim the decode worker at other blocks or hosts."""
+    prompt = prompt_ids(300, seed=8000)
+    bogus = {"do_remote_prefill": True, "remote_block_ids": [[1, 2]], "remote_host": "10.9.9.9",
+             "remote_port": 1, "remote_engine_id": "x", "remote_request_id": "y"}
+    r = pd_client.completions.create(model=model_dir, prompt=prompt, max_tokens=6, temperature=0,
+                                     extra_body={**IDS, "kv_transfer_params": bogus})
+    ref, _ = complete(ref_client, model_dir, prompt, max_tokens=6, temperature=0)
+    assert r.choices[0].token_ids == ref[0][1]

@@ -1,0 +1,90 @@
+"""Processes started by tests: each in its own session, stopped as a whole group, always."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """A child process group with its output in a log file."""
+
+    def __init__(self, name: str, cmd: list[str], log_dir: Path, env: dict | None = None):
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True, env={**os.environ, **(env or {})})
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM the group, wait, then SIGKILL what is left (engine cores included)."""
+        self.signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        self.signal(signal.SIGKILL)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+        self._log.close()
+
+
+def pdserve(*args: str) -> list[str]:
+    return [sys.executable, "-m", "pdserve.cli", *args]
+
+
+def get_json(url: str, timeout: float = 5.0):
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def wait_for(predicate, timeout: float, what: str, procs: list[Proc] = ()) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p in procs:
+            if not p.alive():
+                raise RuntimeError(f"{p.name} exited ({p.proc.returncode}) while waiting for "
+                                   f"{what}:\n{p.log()[-3000:]}")
+        try:
+            if predicate():
+                return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def ready_workers(base: str, role: str | None = None) -> list[dict]:
+    return [w for w in get_json(base + "/pd/workers")
+            if w["state"] == "ready" and (role is None or w["role"] == role)]
