@@ -71,7 +71,8 @@ def run_client(run: ClientRun, log: Path, seed: int = 0, timeout: float = 3600.0
     return result
 
 
-def run_measured(run: ClientRun, groups: dict[str, int], log: Path, seed: int) -> dict[str, Any]:
+def run_measured(run: ClientRun, groups: dict[str, int], log: Path, seed: int = 0
+                 ) -> dict[str, Any]:
     """One client run plus the CPU each process group used and the controller's phase means."""
     meter = procs.CpuMeter(groups)
     before = scrape.scrape(run.base_url)
