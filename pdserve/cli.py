@@ -30,6 +30,8 @@ def _serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--worker-port", type=int, default=8001)
+    p.add_argument("--keys", default=None,
+                   help="use these `pdserve keygen` keys (default: fresh keys for this run)")
     p.add_argument("--no-keys", action="store_true",
                    help="do not encrypt/authenticate the control plane (on by default)")
     p.add_argument("--start-timeout", type=float, default=600.0)

@@ -64,8 +64,8 @@ def token_text(token: int) -> str:
 
 
 def fake_info(**overrides: Any) -> EngineInfo:
-    fields = dict(model=MODEL, tokenizer=MODEL, block_size=16, dtype="float32",
-                  kv_connector="nixl", max_model_len=4096)
+    fields = {"model": MODEL, "tokenizer": MODEL, "block_size": 16, "dtype": "float32",
+              "kv_connector": "nixl", "max_model_len": 4096}
     fields.update(overrides)
     return EngineInfo(**fields)
 
@@ -377,6 +377,8 @@ def fake_worker(role: Role, controllers: list[str], *, worker_id: str | None = N
 
 
 async def _run_worker(args) -> int:
+    import vllm.outputs  # noqa: F401  # before registering: no request waits for this import
+
     from pdserve import transport
 
     info = fake_info()

@@ -79,8 +79,8 @@ def serve(args) -> int:
 
     model = args.model or str(ensure_model("tiny"))
     tmp = tempfile.mkdtemp(prefix="pdserve-serve-")
-    keys = None
-    if not args.no_keys:
+    keys = args.keys
+    if keys is None and not args.no_keys:
         keys = os.path.join(tmp, "keys")
         keygen(keys)
     env = dict(os.environ)

@@ -237,6 +237,14 @@ def test_group_cpu_sums_each_group(tmp_path: Path) -> None:
     assert procs.group_pids(10, proc=tmp_path) == [10, 11]
 
 
+def test_machine_cpu_counts_busy_time_only(tmp_path: Path) -> None:
+    t = procs.TICKS
+    # user nice system idle iowait irq softirq steal
+    (tmp_path / "stat").write_text(f"cpu  {t} {t} {t} {50 * t} {7 * t} {t} 0 {t} 0 0\n"
+                                   "cpu0 1 1 1 1 1 1 1 1 0 0\n")
+    assert procs.machine_cpu(proc=tmp_path) == pytest.approx(5.0)
+
+
 def test_parse_configs() -> None:
     cfgs = cluster.parse_configs("1P1D, 2p1d ,colocated")
     assert [c.name for c in cfgs] == ["1P1D", "2P1D", "colocated"]

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,7 +53,8 @@ def client_args(run: ClientRun) -> list[str]:
 
 def run_client(run: ClientRun, log: Path, seed: int = 0, timeout: float = 3600.0
                ) -> dict[str, Any]:
-    """Run the client to completion and return vLLM's result JSON (with per-request detail)."""
+    """Run the client to completion and return vLLM's result JSON (with per-request detail),
+    plus `client_cpu_s`: the CPU the client itself used."""
     env = dict(os.environ, PYTHONHASHSEED=str(seed), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     run.result.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:
@@ -60,7 +62,7 @@ def run_client(run: ClientRun, log: Path, seed: int = 0, timeout: float = 3600.0
                                 env=env, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
         try:
-            code = proc.wait(timeout)
+            code, cpu = _wait(proc, timeout)
         except BaseException:
             _kill_group(proc)
             raise
@@ -68,7 +70,21 @@ def run_client(run: ClientRun, log: Path, seed: int = 0, timeout: float = 3600.0
         raise RuntimeError(f"vLLM's benchmark client exited with {code}; see {log}")
     with open(run.result) as f:
         result: dict[str, Any] = json.load(f)
+    result["client_cpu_s"] = round(cpu, 3)
     return result
+
+
+def _wait(proc: subprocess.Popen[bytes], timeout: float) -> tuple[int, float]:
+    """Reap the child with wait4 (its exit code and CPU seconds); TimeoutError after timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            return proc.returncode, usage.ru_utime + usage.ru_stime
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the benchmark client ran longer than {timeout:.0f} s")
+        time.sleep(0.2)
 
 
 def run_measured(run: ClientRun, groups: dict[str, int], log: Path, seed: int = 0
@@ -80,9 +96,16 @@ def run_measured(run: ClientRun, groups: dict[str, int], log: Path, seed: int = 
     result = run_client(run, log, seed)
     cpu = meter.stop()
     duration = float(result["duration"])
-    for m in cpu.values():  # engines are idle while the client starts: count the run's time
-        m["core_pct"] = round(100.0 * m["cpu_s"] / duration, 2)
-        m.pop("wall_s")
+    client = float(result.get("client_cpu_s", 0.0))
+    ours = sum(m["cpu_s"] for k, m in cpu.items() if k != "machine") + client
+    # Other people's jobs on the same cores, while this ran (a noisy neighbour flags a run).
+    wall = cpu["machine"]["wall_s"]
+    cpu["others"] = {"cpu_s": round(max(0.0, cpu["machine"]["cpu_s"] - ours), 3), "wall_s": wall}
+    cpu["client"] = {"cpu_s": client, "wall_s": wall}
+    for name, m in cpu.items():
+        # Our processes are idle while the client starts: count their share over the run.
+        span = m.pop("wall_s") if name in ("machine", "others", "client") else duration
+        m["core_pct"] = round(100.0 * m["cpu_s"] / span, 2)
     return {"result": result, "duration": duration, "cpu": cpu,
             "controller": scrape.delta(before, scrape.scrape(run.base_url)),
             "vllm_goodput": result.get("request_goodput")}

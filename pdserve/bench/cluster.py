@@ -96,6 +96,10 @@ class Deployment:
         self.children.append(child)
         return child
 
+    def start(self, timeout: float = 600.0) -> str:
+        """Start the children, wait until they serve; return the HTTP base URL."""
+        raise NotImplementedError  # each deployment starts its own children
+
     def groups(self) -> dict[str, int]:
         """Process-group id of each child, by name (a child leads its own group)."""
         return {c.name: c.proc.pid for c in self.children}

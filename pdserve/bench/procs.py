@@ -52,28 +52,51 @@ def group_pids(pgid: int, proc: Path = Path("/proc")) -> list[int]:
     return sorted(pids)
 
 
+def machine_cpu(proc: Path = Path("/proc")) -> float:
+    """CPU seconds all cores have spent busy since boot (everything but idle and iowait)."""
+    fields = (proc / "stat").read_text().splitlines()[0].split()[1:]
+    ticks = [int(x) for x in fields[:8]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / TICKS
+
+
 class CpuMeter:
-    """Measures CPU used by named process groups between `start()` and `stop()`."""
+    """Measures CPU used by named process groups (and the whole machine, as `machine`) between
+    `start()` and `stop()`."""
 
     def __init__(self, groups: dict[str, int]):
         self.groups = groups
         self._t0 = 0.0
         self._cpu0: dict[int, float] = {}
+        self._machine0 = 0.0
 
     def start(self) -> None:
         self._cpu0 = group_cpu(self.groups.values())
+        self._machine0 = machine_cpu()
         self._t0 = time.monotonic()
 
     def stop(self) -> dict[str, dict[str, float]]:
         """Per group: CPU seconds used and the average share of one core, in percent."""
         cpu1 = group_cpu(self.groups.values())
+        machine = machine_cpu() - self._machine0
         wall = max(time.monotonic() - self._t0, 1e-9)
-        out = {}
-        for name, pgid in self.groups.items():
-            used = max(0.0, cpu1.get(pgid, 0.0) - self._cpu0.get(pgid, 0.0))
-            out[name] = {"cpu_s": round(used, 3), "wall_s": round(wall, 3),
-                         "core_pct": round(100.0 * used / wall, 2)}
-        return out
+        used = {name: max(0.0, cpu1.get(pgid, 0.0) - self._cpu0.get(pgid, 0.0))
+                for name, pgid in self.groups.items()}
+        used["machine"] = machine
+        return {name: {"cpu_s": round(u, 3), "wall_s": round(wall, 3),
+                       "core_pct": round(100.0 * u / wall, 2)} for name, u in used.items()}
+
+
+def wait_quiet(max_core_pct: float, timeout: float, window: float = 3.0) -> float:
+    """Wait until the whole machine uses at most `max_core_pct` of one core over `window`
+    seconds (others' jobs share these cores); return the seconds waited (timeout: give up)."""
+    t0 = time.monotonic()
+    while True:
+        before = machine_cpu()
+        time.sleep(window)
+        pct = 100.0 * (machine_cpu() - before) / window
+        waited = time.monotonic() - t0
+        if pct <= max_core_pct or waited >= timeout:
+            return waited
 
 
 def measure_idle(groups: dict[str, int], seconds: float) -> dict[str, dict[str, float]]:

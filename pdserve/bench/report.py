@@ -19,30 +19,36 @@ NAMES = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2e": "E2E"}
 Records = Mapping[tuple[str, float], Sequence[Record]]
 
 
-def _ms(v: float | None) -> str:
+def fmt_ms(v: float | None) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
     return f"{v:,.0f}" if v >= 100 else f"{v:.1f}"
 
 
-def _trio(d: Mapping[str, float]) -> str:
-    return " / ".join(_ms(d[k]) for k in ("p50", "p90", "p99"))
+def fmt_trio(d: Mapping[str, float]) -> str:
+    return " / ".join(fmt_ms(d[k]) for k in ("p50", "p90", "p99"))
 
 
 def latency_table(results: Mapping[str, Any]) -> list[str]:
     head = ("| configuration | rate (req/s) | done / failed | TTFT p50 / p90 / p99 (ms) "
             "| TPOT p50 / p90 / p99 (ms) | ITL p50 / p90 / p99 (ms) | E2E p50 / p90 / p99 (ms) "
-            "| throughput (req/s, out tok/s) | goodput (req/s) | SLO met |")
-    lines = [head, "|" + "---|" * 10]
+            "| throughput (req/s, out tok/s) | goodput (req/s) | SLO met | others' CPU |")
+    lines = [head, "|" + "---|" * 11]
     for name, cfg in results["configs"].items():
         for run in cfg["runs"]:
             s = run["summary"]
             lines.append(
                 f"| {name} | {run['rate']:g} | {s['completed']} / {s['failed']} "
-                + "".join(f"| {_trio(s[m])} " for m in METRICS)
+                + "".join(f"| {fmt_trio(s[m])} " for m in METRICS)
                 + f"| {s['request_throughput']:.2f}, {s['output_throughput']:.0f} "
-                f"| {s['goodput']:.2f} | {s['slo_attainment']:.0%} |")
+                f"| {s['goodput']:.2f} | {s['slo_attainment']:.0%} | {_others(run)} |")
     return lines
+
+
+def _others(run: Mapping[str, Any]) -> str:
+    """CPU other people's processes used during the run (% of one core): noise to watch."""
+    others = run.get("cpu", {}).get("others")
+    return "-" if others is None else f"{others['core_pct']:.0f}%"
 
 
 def class_table(results: Mapping[str, Any]) -> list[str]:
@@ -53,24 +59,27 @@ def class_table(results: Mapping[str, Any]) -> list[str]:
             for cls, s in run.get("by_class", {}).items():
                 lines.append(
                     f"| {name} | {run['rate']:g} | {cls} | {s['requests']} "
-                    f"| {_ms(s['ttft']['p50'])} / {_ms(s['ttft']['p99'])} "
-                    f"| {_ms(s['tpot']['p50'])} / {_ms(s['tpot']['p99'])} "
-                    f"| {_ms(s['itl']['p99'])} | {s['slo_attainment']:.0%} |")
+                    f"| {fmt_ms(s['ttft']['p50'])} / {fmt_ms(s['ttft']['p99'])} "
+                    f"| {fmt_ms(s['tpot']['p50'])} / {fmt_ms(s['tpot']['p99'])} "
+                    f"| {fmt_ms(s['itl']['p99'])} | {s['slo_attainment']:.0%} |")
     return lines
 
 
 def idle_table(results: Mapping[str, Any]) -> list[str]:
+    """CPU of each process group idle and under load; `machine` is all cores, `others` is what
+    other people's processes used during a run (noise), `client` is vLLM's benchmark client."""
     lines = [("| configuration | process group | core | idle CPU after warm-up (% of a core) "
-              "| idle CPU after the runs | CPU under load, per rate (% of a core) |"),
+              "| idle CPU after the runs | CPU under load, rate: % of a core |"),
              "|---|---|---|---|---|---|"]
     for name, cfg in results["configs"].items():
-        after = cfg.get("idle_cpu_after", {})
-        for proc, m in cfg.get("idle_cpu", {}).items():
+        idle, after = cfg.get("idle_cpu", {}), cfg.get("idle_cpu_after", {})
+        procs = list(dict.fromkeys([*idle, *(p for r in cfg["runs"] for p in r.get("cpu", {}))]))
+        for proc in procs:
             core = cfg.get("cores", {}).get(proc) or "-"
-            a = f"{after[proc]['core_pct']:.1f}" if proc in after else "-"
+            cells = [f"{d[proc]['core_pct']:.1f}" if proc in d else "-" for d in (idle, after)]
             load = ", ".join(f"{r['rate']:g}: {r['cpu'][proc]['core_pct']:.0f}"
                              for r in cfg["runs"] if proc in r.get("cpu", {}))
-            lines.append(f"| {name} | {proc} | {core} | {m['core_pct']:.1f} | {a} | {load} |")
+            lines.append(f"| {name} | {proc} | {core} | {cells[0]} | {cells[1]} | {load} |")
     return lines
 
 
@@ -82,7 +91,7 @@ def phase_table(results: Mapping[str, Any]) -> list[str]:
     for name, cfg in results["configs"].items():
         for run in cfg["runs"]:
             c = run.get("controller") or {}
-            cells = [_ms(c.get(f"{k}_mean_ms")) for k in
+            cells = [fmt_ms(c.get(f"{k}_mean_ms")) for k in
                      ("queue_time", "prefill_time", "kv_handoff", "time_to_first_token")]
             local = int(c.get("pdserve_local_prefills_total", 0))
             lines.append(f"| {name} | {run['rate']:g} | " + " | ".join(cells) + f" | {local} |")
@@ -109,7 +118,7 @@ def comparison(results: Mapping[str, Any], baseline: str = "colocated") -> list[
             continue
         g, bg = best["summary"]["goodput"], base["summary"]["goodput"]
         i, bi = best["summary"]["itl"]["p99"], base["summary"]["itl"]["p99"]
-        lines.append(f"| {name} | {best['rate']:g} | {g:.2f} | {_ratio(g, bg)} | {_ms(i)} "
+        lines.append(f"| {name} | {best['rate']:g} | {g:.2f} | {_ratio(g, bg)} | {fmt_ms(i)} "
                      f"| {_ratio(i, bi)} |")
     return lines
 
@@ -197,7 +206,7 @@ def plot_goodput(results: Mapping[str, Any], path: Path) -> Path:
 def write_report(results: Mapping[str, Any], records: Records, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "results.json", out / "report.md"]
-    paths[0].write_text(json.dumps(_no_nan(results), indent=2, default=_jsonable) + "\n")
+    paths[0].write_text(json.dumps(no_nan(results), indent=2, default=_jsonable) + "\n")
     paths[1].write_text(markdown(results))
     if records:
         paths.append(plot_cdfs(records, out / "latency_cdf.png"))
@@ -206,14 +215,14 @@ def write_report(results: Mapping[str, Any], records: Records, out: Path) -> lis
     return paths
 
 
-def _no_nan(v: Any) -> Any:
+def no_nan(v: Any) -> Any:
     """NaN (a percentile of nothing) as null, so results.json is standard JSON."""
     if isinstance(v, float) and math.isnan(v):
         return None
     if isinstance(v, Mapping):
-        return {k: _no_nan(x) for k, x in v.items()}
+        return {k: no_nan(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
-        return [_no_nan(x) for x in v]
+        return [no_nan(x) for x in v]
     return v
 
 

@@ -51,7 +51,9 @@ class PDController(EngineClient):
     def check_admission(self, n: int = 1, request_id: str | None = None) -> None:
         # Runs before a streaming response starts, so a missing role is a real HTTP 503
         # rather than an error event inside a 200 stream.
-        for side in ("prefill", "decode"):
+        # With local prefill on, a pool of decode workers alone can serve short prompts.
+        sides = ("decode",) if self.settings.local_prefill_threshold else ("prefill", "decode")
+        for side in sides:
             if not self.pool.registry.ready(side):
                 self.metrics.rejected_no_worker(side)
                 raise GracefulHTTPError(f"no {side} worker is available",

@@ -11,9 +11,11 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -22,6 +24,12 @@ from pdserve.controller.registry import Registry, Worker, WorkerState
 from pdserve.protocol import EngineInfo
 
 logger = logging.getLogger(__name__)
+
+# Sampling parameters of a RELEASE leg: an empty map decodes as the defaults (none are used).
+_RELEASE_PARAMS = msgspec.Raw(msgspec.msgpack.encode({}))
+# How long a release waits for a decode worker to carry it: after vLLM's NIXL abort timeout
+# the prefill engine has freed the blocks itself.
+RELEASE_RETRY_S = 480.0
 
 
 class WorkerLost(Exception):
@@ -40,6 +48,7 @@ class Leg:
     worker: Worker
     queue: asyncio.Queue
     done: bool = False
+    outputs: int = 0  # Output messages that carried output (not an error) so far
 
 
 class Pool:
@@ -56,6 +65,7 @@ class Pool:
         self.changed = asyncio.Event()  # set whenever membership changes (tests and waiters)
         self._tasks: list[asyncio.Task] = []
         self.dropped_messages = 0
+        self._unreleased: deque[tuple[dict, str, str, float]] = deque(maxlen=100_000)
         self.on_worker_event: Callable[[str, Worker], None] = lambda event, worker: None
 
     @property
@@ -84,6 +94,7 @@ class Pool:
         leg = Leg(msg.request_id, worker, asyncio.Queue())
         self.legs[leg.id] = leg
         worker.inflight += 1
+        worker.legs_total += 1
         try:
             transport.send_nowait(self.sock, msg, to=worker.identity)
         except zmq.ZMQError as e:  # EHOSTUNREACH (ROUTER_MANDATORY) or a full queue
@@ -106,6 +117,48 @@ class Pool:
                 transport.send_nowait(self.sock, protocol.Abort([leg.id]), to=leg.worker.identity)
             except zmq.ZMQError:
                 pass  # the worker is gone: its engine went with it
+
+    def release_kv(self, kv: dict, leg_id: str, exclude: str = "") -> bool:
+        """Have a decode worker (not `exclude`) tell a prefill engine to free blocks no decode
+        will read.
+
+        False when no decode worker can take it now: it is retried as one becomes ready.
+        """
+        if self._send_release(kv, leg_id, exclude):
+            return True
+        self._unreleased.append((kv, leg_id, exclude,
+                                 self.registry.clock() + RELEASE_RETRY_S))
+        return False
+
+    def _retry_releases(self) -> None:
+        now = self.registry.clock()
+        pending, self._unreleased = self._unreleased, deque(maxlen=self._unreleased.maxlen)
+        for kv, leg_id, exclude, until in pending:
+            if until > now and not self._send_release(kv, leg_id, exclude):
+                self._unreleased.append((kv, leg_id, exclude, until))
+
+    def _send_release(self, kv: dict, leg_id: str, exclude: str) -> bool:
+        decoders = [w for w in self.registry.ready("decode") if w.id != exclude]
+        if not decoders:
+            return False
+        d = min(decoders, key=lambda w: (w.score(), w.id))
+        msg = protocol.Generate(leg_id, protocol.Phase.RELEASE, [0], _RELEASE_PARAMS, dict(kv))
+        try:
+            self.finish(self.send(d, msg))  # no answer expected
+        except WorkerLost:
+            return False
+        return True
+
+    def _release_orphan(self, identity: bytes, msg: protocol.Output) -> None:
+        # A prefill that finished after its leg was aborted or timed out: its engine holds
+        # blocks for a decode that will never come. Only its own blocks, at its own address.
+        w = self.registry.by_identity(identity)
+        kv = msg.kv_transfer_params or {}
+        if w is None or not w.serves("prefill") or kv.get("remote_host") not in (None, w.address):
+            return
+        if self.release_kv(kv, f"{msg.request_id}-orphan"):
+            logger.info("released the blocks of %s on %s: its request was gone", msg.request_id,
+                        w.id)
 
     def _fail(self, leg: Leg, why: str) -> None:
         leg.queue.put_nowait(WorkerLost(leg.worker.id, why))
@@ -144,9 +197,12 @@ class Pool:
         if isinstance(msg, protocol.Output):
             leg = self.legs.get(msg.request_id)
             if leg is not None and leg.worker.identity == identity:
+                leg.outputs += msg.error is None
                 leg.queue.put_nowait(msg)
                 if msg.finished:
                     self.finish(leg)
+            elif leg is None and msg.finished and msg.kv_transfer_params:
+                self._release_orphan(identity, msg)
             return
         if isinstance(msg, protocol.Heartbeat):
             if not self._from(identity, msg.worker_id):
@@ -217,6 +273,8 @@ class Pool:
             await asyncio.sleep(self.registry.heartbeat_interval / 2)
             for w in self.registry.expire():
                 self._lost(w, f"no heartbeat for {self.registry.missed} intervals")
+            if self._unreleased:
+                self._retry_releases()
             for w in self.registry.workers.values():
                 if w.state == WorkerState.DEAD:
                     continue

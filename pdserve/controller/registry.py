@@ -35,6 +35,7 @@ class Worker:
     state: WorkerState = WorkerState.READY
     load: Load = field(default_factory=Load)
     inflight: int = 0  # this controller's requests on the worker right now
+    legs_total: int = 0  # request legs this controller has sent to the worker
     pid: int = 0
 
     def serves(self, side: str) -> bool:
@@ -58,6 +59,7 @@ class Worker:
             "waiting": self.load.waiting,
             "kv_usage": round(self.load.kv_usage, 4),
             "inflight": self.inflight,
+            "legs_total": self.legs_total,
             "pid": self.pid,
         }
 

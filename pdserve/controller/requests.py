@@ -60,12 +60,19 @@ class Settings:
     local_prefill_threshold: int = 0  # prompts with fewer uncached tokens skip the handoff
     queue_timeout: float = 10.0  # how long to wait for a worker of a needed role to appear
     prefill_timeout: float = 300.0
-    token_timeout: float = 120.0  # decode's first token (incl. the KV pull) and each later gap
+    token_timeout: float = 60.0  # decode's first token (incl. the KV pull) and each later gap
     max_retries: int = 2  # failed legs (prefill retries + decode migrations) per sequence
 
 
 class WorkerFailed(Exception):
     """A worker reported an engine error for a leg (another worker may succeed)."""
+
+
+class _Aborted(Exception):
+    """Raised inside a sequence that abort() ended while it was running; never leaves run()."""
+
+
+_ABORTED = object()  # put on a leg's queue to wake its reader when the sequence is aborted
 
 
 def deterministic(params):
@@ -130,6 +137,9 @@ class Sequence:
                 try:
                     async for _ in self._attempt():
                         yield
+                except _Aborted:
+                    yield  # the stream now ends with finish_reason "abort", as vLLM's does
+                    return
                 except (WorkerLost, WorkerFailed, StepTimeout) as e:
                     self._release_pending()
                     self.failures += 1
@@ -144,19 +154,28 @@ class Sequence:
                     logger.warning("request %s: %s; %s after %d tokens (attempt %d)",
                                    self.request_id, e, "migrating" if done else "retrying",
                                    done, self.failures + 1)
-            self.state = State.DONE
+            if self.state != State.ABORTED:
+                self.state = State.DONE
         except BaseException:
             self.abort()
             raise
 
     def abort(self) -> None:
-        """Free the sequence on every worker that holds part of it."""
-        if self.state not in (State.DONE, State.FAILED):
+        """Free the sequence on every worker that holds part of it, and end its stream."""
+        if self.state not in (State.DONE, State.FAILED, State.ABORTED):
             self.state = State.ABORTED
+            self.stream.add(SeqDelta(self.index, "", [], finish_reason="abort"), self.index)
+            self.pool.changed.set()  # wakes a run() that waits for a worker
         for leg in self.legs:
             self.pool.abort(leg)
+            leg.queue.put_nowait(_ABORTED)  # wakes a run() that waits for this leg
         self.legs.clear()
         self._release_pending()
+
+    def _check_aborted(self) -> None:
+        """After every wait and every yield: an abort() may have happened meanwhile."""
+        if self.state == State.ABORTED:
+            raise _Aborted()
 
     # ---- steps -----------------------------------------------------------------------------
 
@@ -171,14 +190,21 @@ class Sequence:
         return f"{self.request_id}-{self.index}-{phase}{self.attempt}-{self._tag}"
 
     async def _choose(self, side: str, policy: Policy, tokens: list[int]) -> Worker:
+        ready = await self._ready(side)
+        w = policy.choose([w for w in ready if w.id not in self.failed_on] or ready, tokens)
+        assert w is not None
+        policy.routed(w, tokens)
+        self.workers_used.append(w.id)
+        return w
+
+    async def _ready(self, side: str) -> list[Worker]:
+        """The workers that may take work on a side, waiting up to the queue timeout for one."""
         deadline = time.monotonic() + self.s.queue_timeout
         while True:
+            self._check_aborted()
             ready = self.pool.registry.ready(side)
-            w = policy.choose([w for w in ready if w.id not in self.failed_on] or ready, tokens)
-            if w is not None:
-                policy.routed(w, tokens)
-                self.workers_used.append(w.id)
-                return w
+            if ready:
+                return ready
             left = deadline - time.monotonic()
             if left <= 0:
                 raise NoWorkerAvailable(side, self.s.queue_timeout)
@@ -212,6 +238,7 @@ class Sequence:
 
         # Prefill: its token is streamed at once (see the module docstring).
         self.state = State.PREFILL
+        await self._ready("decode")  # else the prefill's blocks would wait for no one
         p = await self._choose("prefill", self.prefill_policy, ctx)
         self.obs.prefill_started(p.id)
         leg = self._send(p, Phase.PREFILL, ctx, leg_params(
@@ -234,6 +261,7 @@ class Sequence:
         self.stream.add(first, self.index)
         self.obs.tokens(len(first.token_ids))
         yield
+        self._check_aborted()
         if ends_here:
             self._release_pending()
             return
@@ -251,9 +279,14 @@ class Sequence:
             kv_transfer_params=handoff)
         self.pending_kv = None  # the decode worker now owns the handoff
         self._streamed_text = first.text
-        async for _ in self._relay(leg, "KV handoff", first_timeout=self.s.token_timeout,
-                                   skip=list(first.token_ids)):
-            yield
+        try:
+            async for _ in self._relay(leg, "KV handoff", first_timeout=self.s.token_timeout,
+                                       skip=list(first.token_ids)):
+                yield
+        except (WorkerLost, WorkerFailed, StepTimeout):
+            if not leg.outputs:  # it failed before pulling the KV (a dead engine): free it
+                self.pool.release_kv(kv, self._leg_id("r"), exclude=d.id)
+            raise
 
     # ---- helpers ---------------------------------------------------------------------------
 
@@ -275,6 +308,8 @@ class Sequence:
                 except asyncio.TimeoutError:
                     self.pool.abort(leg)
                     raise StepTimeout(step, leg.worker.id, timeout) from None
+                if item is _ABORTED:
+                    raise _Aborted()
                 if isinstance(item, WorkerLost):
                     raise item
                 if item.error is not None:
@@ -291,6 +326,14 @@ class Sequence:
         finally:
             if leg in self.legs:
                 self.legs.remove(leg)
+            # Left before the leg ended (cancelled: the client went away): the worker must drop
+            # it, as abort() can no longer find it in self.legs.
+            self.pool.abort(leg)
+            # A prefill's last output that arrived but was never read holds its blocks.
+            while not leg.queue.empty():
+                item = leg.queue.get_nowait()
+                if isinstance(item, protocol.Output) and item.kv_transfer_params:
+                    self.pool.release_kv(item.kv_transfer_params, f"{leg.id}-unread")
 
     async def _relay(self, leg: Leg, step: str, first_timeout: float,
                      skip: list[int] | None = None) -> AsyncIterator[None]:
@@ -315,6 +358,7 @@ class Sequence:
                     first = False
                 self.obs.tokens(n)
                 yield
+                self._check_aborted()
 
     def _drop_seen(self, d: SeqDelta, skip: list[int], leg: Leg) -> SeqDelta:
         k = 0
@@ -355,19 +399,9 @@ class Sequence:
             return
         kv, p = self.pending_kv
         self.pending_kv = None
-        decoders = self.pool.registry.ready("decode")
-        if not decoders:
-            logger.warning("request %s: no decode worker to release %s's blocks; they expire "
-                           "by the prefill engine's timeout", self.request_id, p.id)
-            return
-        d = min(decoders, key=lambda w: (w.score(), w.id))
-        msg = protocol.Generate(self._leg_id("r"), Phase.RELEASE, [0],
-                                msgspec.Raw(msgspec.msgpack.encode(self.params)), dict(kv))
-        try:
-            leg = self.pool.send(d, msg)
-            self.pool.finish(leg)  # no answer expected
-        except WorkerLost:
-            pass
+        if not self.pool.release_kv(kv, self._leg_id("r")):
+            logger.warning("request %s: no decode worker to release %s's blocks yet; retried "
+                           "when one is ready", self.request_id, p.id)
 
 
 def _merge(deltas: list[SeqDelta]) -> SeqDelta:

@@ -40,12 +40,27 @@ class RoundRobin(Policy):
 
 
 class LeastLoaded(Policy):
+    """Fewest requests (engine report + our own in flight); ties go to the least recently
+    chosen worker, so that requests arriving one at a time still spread over the pool."""
+
     name = "least_loaded"
+
+    def __init__(self):
+        self._turn = 0
+        self._last: dict[str, int] = {}
 
     def choose(self, workers, prompt=()):
         if not workers:
             return None
-        return min(workers, key=lambda w: (w.score(), w.load.kv_usage, w.id))
+        return min(workers, key=lambda w: (w.score(), w.load.kv_usage,
+                                           self._last.get(w.id, -1), w.id))
+
+    def routed(self, worker, prompt):
+        self._turn += 1
+        self._last[worker.id] = self._turn
+        if len(self._last) > 4 * 1024:  # forget workers long gone
+            for wid in sorted(self._last, key=self._last.get)[:1024]:
+                del self._last[wid]
 
 
 class PowerOfTwo(Policy):
@@ -62,7 +77,8 @@ class PowerOfTwo(Policy):
         if len(workers) == 1:
             return workers[0]
         a, b = self.rng.sample(list(workers), 2)
-        return min((a, b), key=lambda w: (w.score(), w.id))
+        # A tie goes to the first drawn (random): by id, low ids would take most of the load.
+        return min((a, b), key=lambda w: w.score())
 
 
 class PrefixAware(Policy):

@@ -43,7 +43,7 @@ def add_pd_args(parser) -> None:
     g.add_argument("--queue-timeout", type=float, default=10.0,
                    help="seconds a request waits for a worker of a needed role")
     g.add_argument("--prefill-timeout", type=float, default=300.0)
-    g.add_argument("--token-timeout", type=float, default=120.0,
+    g.add_argument("--token-timeout", type=float, default=60.0,
                    help="seconds allowed for the KV handoff + first decode token, and between "
                         "later tokens")
     g.add_argument("--max-retries", type=int, default=2,

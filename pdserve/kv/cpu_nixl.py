@@ -8,16 +8,15 @@ vLLM 0.32's NIXL worker does two things that hurt a CPU-only host (measured in i
    VLLM_CPU_OMP_THREADS_BIND said.
 
 This subclass is loaded through vLLM's out-of-tree hook (``kv_connector_module_path``). On the
-CPU platform it builds the agent without the progress thread (vLLM polls the connector every
-engine step while a transfer is pending, which is what makes progress) and puts the thread
-affinity back to what the engine had. On any other platform it is NixlConnector unchanged.
+CPU platform it builds the agent with a progress thread that sleeps between polls, and puts the
+thread affinity back to what the engine had. On any other platform it is NixlConnector unchanged.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,18 +31,33 @@ logger = init_logger(__name__)
 CONNECTOR_NAME = "PDCpuNixlConnector"
 
 
+# How long NIXL's UCX progress thread sleeps between polls, in microseconds. NIXL's Python
+# wrapper hard-codes 0 (poll without pause: a whole core). The thread must exist: without it a
+# prefill engine that is idle while holding blocks never answers a new decode peer's UCX
+# wire-up, and that peer's read waits until the blocks' lease expires.
+PROGRESS_DELAY_US = int(os.environ.get("PDSERVE_NIXL_PROGRESS_DELAY_US", "2000"))
+
+
 @contextlib.contextmanager
-def _quiet_agent() -> Iterator[None]:
-    """Make the NIXL worker module build its agent without a progress thread."""
-    original = base_worker.nixl_agent_config
-    if original is None:  # NIXL not installed: let the parent raise its own error
+def _sleepy_progress_thread() -> Iterator[None]:
+    """Make the NIXL agent built inside this block poll with PROGRESS_DELAY_US between rounds."""
+    wrapper = base_worker.NixlWrapper
+    api = sys.modules.get(getattr(wrapper, "__module__", ""), None)
+    bind = getattr(api, "nixlBind", None)
+    if bind is None:  # NIXL missing or laid out differently: let the parent do its own thing
         yield
         return
-    base_worker.nixl_agent_config = functools.partial(original, enable_prog_thread=False)
+    original = bind.nixlAgent
+
+    def make_agent(name, config):
+        config.pthrDelay = PROGRESS_DELAY_US
+        return original(name, config)
+
+    bind.nixlAgent = make_agent
     try:
         yield
     finally:
-        base_worker.nixl_agent_config = original
+        bind.nixlAgent = original
 
 
 class PDCpuNixlConnector(NixlPullConnector):
@@ -52,11 +66,11 @@ class PDCpuNixlConnector(NixlPullConnector):
             super().__init__(vllm_config, role, kv_cache_config)
             return
         affinity = os.sched_getaffinity(0)
-        with _quiet_agent():
+        with _sleepy_progress_thread():
             super().__init__(vllm_config, role, kv_cache_config)
         if os.sched_getaffinity(0) != affinity:
             os.sched_setaffinity(0, affinity)
         logger.info(
-            "pdserve CPU NIXL connector: progress thread off, affinity kept at %s",
-            sorted(affinity),
+            "pdserve CPU NIXL connector: progress thread polls every %d us, affinity kept at %s",
+            PROGRESS_DELAY_US, sorted(affinity),
         )

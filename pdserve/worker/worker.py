@@ -63,6 +63,9 @@ class PDWorker:
                       for url in controllers]
         self.links = [_Link(url, sock) for url, sock in zip(controllers, self.links)]
         self.tasks: dict[tuple[int, str], asyncio.Task] = {}
+        # Decode legs whose task has not started: aborted now, their engine would never see
+        # them, so the prefill worker's blocks must be released from here.
+        self.unstarted: dict[tuple[int, str], dict] = {}
         self.stopped = asyncio.Event()
         self.served = 0
 
@@ -157,15 +160,18 @@ class PDWorker:
             except protocol.ProtocolError as e:
                 logger.warning("dropped a message from %s: %s", link.url, e)
                 continue
-            if isinstance(msg, protocol.RegisterAck):
-                self._on_ack(link, msg)
-            elif isinstance(msg, protocol.Generate):
-                self._on_generate(i, msg)
-            elif isinstance(msg, protocol.Abort):
-                await self._on_abort(i, msg.request_ids)
-            else:
-                logger.warning("dropped a %s from %s: not a controller message",
-                               type(msg).__name__, link.url)
+            try:
+                if isinstance(msg, protocol.RegisterAck):
+                    self._on_ack(link, msg)
+                elif isinstance(msg, protocol.Generate):
+                    self._on_generate(i, msg)
+                elif isinstance(msg, protocol.Abort):
+                    await self._on_abort(i, msg.request_ids)
+                else:
+                    logger.warning("dropped a %s from %s: not a controller message",
+                                   type(msg).__name__, link.url)
+            except Exception:  # a handler bug must not stop this controller's loop
+                logger.exception("error handling a %s from %s", type(msg).__name__, link.url)
 
     def _on_ack(self, link: _Link, ack: protocol.RegisterAck) -> None:
         link.last_ack = time.monotonic()
@@ -199,14 +205,21 @@ class PDWorker:
             return
         task = asyncio.create_task(self._serve(i, msg))
         self.tasks[key] = task
+        if msg.phase == Phase.DECODE and isinstance(msg.kv_transfer_params, dict):
+            self.unstarted[key] = msg.kv_transfer_params
         task.add_done_callback(lambda _t: self.tasks.pop(key, None))
 
     async def _on_abort(self, i: int, request_ids: list[str]) -> None:
-        tasks = [self.tasks.pop((i, rid)) for rid in request_ids if (i, rid) in self.tasks]
-        for t in tasks:
-            t.cancel()
-        if request_ids:
-            await self.engine.abort(list(request_ids))
+        # Only this controller's own requests: another's ids are not its to abort.
+        owned = [rid for rid in request_ids if (i, rid) in self.tasks]
+        for rid in owned:
+            self.tasks.pop((i, rid)).cancel()
+        if owned:
+            await self.engine.abort(owned)
+        for rid in request_ids:
+            kv = self.unstarted.pop((i, rid), None)
+            if kv is not None:
+                await self.engine.release(rid, kv)
 
     async def _abort_link(self, i: int) -> None:
         await self._on_abort(i, [rid for (j, rid) in list(self.tasks) if j == i])
@@ -224,6 +237,7 @@ class PDWorker:
 
     async def _serve(self, i: int, msg: protocol.Generate) -> None:
         rid = msg.request_id
+        self.unstarted.pop((i, rid), None)  # from here on the engine owns it, and its abort
         try:
             params = self.engine.decode_params(msg.sampling_params)
             params = _params_for_phase(params, msg)

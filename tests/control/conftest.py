@@ -16,6 +16,16 @@ from pdserve.controller.client import PDController  # noqa: E402
 from pdserve.controller.pool import Pool  # noqa: E402
 from pdserve.controller.requests import Settings  # noqa: E402
 
+FAKE_INFO = fake.fake_info()
+
+
+@pytest.fixture(autouse=True)
+def patient_workers(monkeypatch):
+    """Workers give up on a silent controller after MISSED beats, like the controller does."""
+    from pdserve.worker import worker
+
+    monkeypatch.setattr(worker, "MISSED_ACKS_BEFORE_LOST", MISSED)
+
 
 @pytest.fixture(scope="session")
 def vllm_config():
@@ -34,7 +44,7 @@ async def make_cluster(vllm_config):
     made: list[Cluster] = []
 
     async def make(settings: Settings | None = None, heartbeat: float = HEARTBEAT,
-                   missed: int = MISSED, expected=fake.fake_info(), keys=None,
+                   missed: int = MISSED, expected=FAKE_INFO, keys=None,
                    bind: str = "tcp://127.0.0.1:0") -> Cluster:
         pool = Pool(bind, expected=expected, keys=keys, heartbeat_interval=heartbeat,
                     missed_heartbeats=missed)

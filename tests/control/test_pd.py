@@ -66,7 +66,7 @@ async def test_n_2_streaming_interleaves_without_duplicates(pd):
 
 
 async def test_max_tokens_1_is_served_by_the_prefill_alone(pd):
-    p, d = pd.engines()
+    _, d = pd.engines()
     params = greedy(1, FINAL)
     outs = await pd.run(PROMPT, params)
     assert final_tokens(outs, FINAL) == fake.reference(PROMPT, params).token_ids
@@ -148,7 +148,7 @@ async def test_logprobs_pass_through(pd):
     ref = fake.reference(PROMPT, params)
     c = outs[-1].outputs[0]
     assert len(c.logprobs) == 5
-    for tok, lps in zip(c.token_ids, c.logprobs):
+    for tok, lps in zip(c.token_ids, c.logprobs, strict=True):
         assert lps[tok].rank == 1 and len(lps) == 3
     assert c.cumulative_logprob == pytest.approx(ref.cumulative_logprob)
     plp = outs[-1].prompt_logprobs
@@ -209,6 +209,18 @@ async def test_many_concurrent_requests(pd):
 
     prompts = [[i, i + 1, i + 2] * (1 + i % 20) for i in range(40)]
     results = await asyncio.gather(*(pd.run(p, greedy(6)) for p in prompts))
-    for p, outs in zip(prompts, results):
+    for p, outs in zip(prompts, results, strict=True):
         assert final_tokens(outs) == fake.reference(p, greedy(6)).token_ids
+    await pd.assert_clean()
+
+
+async def test_concurrent_requests_reusing_one_request_id_do_not_mix(pd):
+    import asyncio
+
+    # Clients may pick request ids (X-Request-Id); two at once must not share legs.
+    a, b = PROMPT, list(range(900, 930))
+    outs_a, outs_b = await asyncio.gather(pd.run(a, greedy(10), "same"),
+                                          pd.run(b, greedy(10), "same"))
+    assert final_tokens(outs_a) == fake.reference(a, greedy(10)).token_ids
+    assert final_tokens(outs_b) == fake.reference(b, greedy(10)).token_ids
     await pd.assert_clean()

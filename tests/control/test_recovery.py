@@ -114,7 +114,7 @@ async def test_empty_pool_is_a_503(cluster):
 async def test_stalled_decode_is_timed_out_and_migrated(make_cluster):
     c = await make_cluster(settings=fast_settings(token_timeout=0.5))
     await c.add("prefill")
-    stuck, = await c.add("decode", stall_after_tokens=5)
+    await c.add("decode", stall_after_tokens=5)
     await c.add("decode")
     outs = await c.run(PROMPT, greedy(12))
     assert final_tokens(outs) == fake.reference(PROMPT, greedy(12)).token_ids
@@ -169,8 +169,7 @@ async def test_prefill_reporting_kv_at_another_address_is_not_trusted(cluster):
 
 
 async def test_invalid_request_is_not_retried(cluster):
-    p, = await cluster.add("prefill")
-    await cluster.add("prefill")
+    await cluster.add("prefill", 2)
     await cluster.add("decode")
     with pytest.raises(ValueError):
         await cluster.run(list(range(4096)), greedy(4))

@@ -42,13 +42,23 @@ def logs(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def pd_server(model_dir, logs):
+def keys(tmp_path_factory) -> str:
+    from pdserve.transport import keygen
+
+    folder = tmp_path_factory.mktemp("keys")
+    keygen(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
+def pd_server(model_dir, logs, keys):
     port, wport = free_port(), free_port()
     p = Proc("serve", pdserve("serve", "--model", model_dir, "--port", str(port),
-                              "--worker-port", str(wport)), logs)
+                              "--worker-port", str(wport), "--keys", keys,
+                              "--controller-arg=--token-timeout=20"), logs)
     try:
         wait_for(lambda: "pdserve ready" in p.log(), 400, "pdserve serve", [p])
-        server = Server(f"http://127.0.0.1:{port}", p, wport)
+        server = Server(f"http://127.0.0.1:{port}", p, wport, keys)
         yield server
     finally:
         p.stop(90)

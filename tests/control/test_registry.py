@@ -1,0 +1,159 @@
+"""Pool membership as pure logic, with a fake clock."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from pdserve.controller.registry import Registry, WorkerState
+from pdserve.protocol import EngineInfo, Load, Register, Role
+
+INFO = EngineInfo("m", "m", 16, "float32", "nixl", 4096)
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def clock():
+    return Clock()
+
+
+@pytest.fixture
+def reg(clock):
+    return Registry(INFO, heartbeat_interval=1.0, missed=3, forget_after=60.0, clock=clock)
+
+
+def register(reg, wid: str, role=Role.DECODE, info=INFO, identity: bytes | None = None):
+    return reg.register(Register(wid, role, "10.0.0.1", info, kv_port=5600, pid=7),
+                        identity or wid.encode())
+
+
+def test_register_makes_a_ready_worker(reg, clock):
+    w, note = register(reg, "d1")
+    assert note == "" and w.state == WorkerState.READY and w.last_seen == clock.t
+    assert [x.id for x in reg.ready("decode")] == ["d1"] and reg.ready("prefill") == []
+    assert reg.by_identity(b"d1") is w and reg.by_identity(b"nobody") is None
+
+
+def test_both_role_serves_either_side(reg):
+    register(reg, "b1", Role.BOTH)
+    register(reg, "p1", Role.PREFILL)
+    assert {w.id for w in reg.ready("prefill")} == {"b1", "p1"}
+    assert {w.id for w in reg.ready("decode")} == {"b1"}
+
+
+@pytest.mark.parametrize("field, value", [("model", "other"), ("tokenizer", "t2"),
+                                          ("block_size", 32), ("dtype", "bfloat16"),
+                                          ("kv_connector", "lmcache"), ("max_model_len", 8)])
+def test_mismatch_is_refused_naming_the_field(reg, field, value):
+    w, reason = register(reg, "d1", info=msgspec.structs.replace(INFO, **{field: value}))
+    assert w is None and field in reason and repr(value) in reason
+    assert reg.workers == {}
+
+
+def test_no_expected_info_admits_anything(clock):
+    reg = Registry(None, clock=clock)
+    w, _ = register(reg, "d1", info=msgspec.structs.replace(INFO, model="x"))
+    assert w is not None
+
+
+def test_heartbeat_updates_load_and_keeps_alive(reg, clock):
+    register(reg, "d1")
+    for _ in range(10):
+        clock.t += 2.5
+        w = reg.heartbeat("d1", Load(2, 1, 0.5), draining=False)
+        assert reg.expire() == []
+    assert w.load == Load(2, 1, 0.5) and w.last_seen == clock.t and w.score() == 3
+
+
+def test_expiry_after_missed_heartbeats_exactly(reg, clock):
+    register(reg, "d1")
+    clock.t += 3.0  # silent for exactly missed * interval: still alive
+    assert reg.expire() == [] and reg.workers["d1"].state == WorkerState.READY
+    clock.t += 0.01
+    dead = reg.expire()
+    assert [w.id for w in dead] == ["d1"] and dead[0].state == WorkerState.DEAD
+    assert reg.ready("decode") == []
+    assert reg.expire() == []  # reported once
+    # A dead worker's heartbeat is refused (it must register again) ...
+    assert reg.heartbeat("d1", Load(), False) is None
+    # ... and its entry is forgotten forget_after seconds after it was last heard of.
+    clock.t += 56.9
+    reg.expire()
+    assert "d1" in reg.workers
+    clock.t += 0.2
+    reg.expire()
+    assert "d1" not in reg.workers
+
+
+def test_unknown_worker_heartbeat_is_refused(reg):
+    assert reg.heartbeat("ghost", Load(), False) is None
+
+
+def test_drain_takes_a_worker_out_of_routing(reg, clock):
+    register(reg, "d1")
+    register(reg, "d2")
+    clock.t += 1
+    assert reg.drain("d1").state == WorkerState.DRAINING
+    assert reg.workers["d1"].last_seen == clock.t
+    assert [w.id for w in reg.ready("decode")] == ["d2"]
+    reg.heartbeat("d2", Load(), draining=True)  # a heartbeat can say so too
+    assert reg.ready("decode") == []
+    assert reg.drain("ghost") is None
+    # Draining workers still expire if they fall silent.
+    clock.t += 10
+    assert {w.id for w in reg.expire()} == {"d1", "d2"}
+
+
+def test_drain_does_not_revive_the_dead(reg, clock):
+    register(reg, "d1")
+    reg.mark_dead("d1")
+    assert reg.drain("d1").state == WorkerState.DEAD
+    assert reg.mark_dead("d1") is None  # already dead: not reported twice
+
+
+def test_unregister_removes(reg):
+    register(reg, "d1")
+    assert reg.unregister("d1").id == "d1"
+    assert reg.workers == {} and reg.unregister("d1") is None
+
+
+def test_same_id_registering_again_replaces_its_entry(reg, clock):
+    old, _ = register(reg, "d1")
+    old.inflight = 4
+    clock.t += 5
+    reg.expire()
+    assert old.state == WorkerState.DEAD
+    new, note = register(reg, "d1", identity=b"d1")
+    assert note == "replaced" and new is not old and new.state == WorkerState.READY
+    assert new.inflight == 0  # the dead entry's legs were failed, not carried over
+    # The same live connection registering again keeps this controller's in-flight count.
+    new.inflight = 2
+    again, _ = register(reg, "d1", identity=b"d1")
+    assert again.inflight == 2
+    # A different connection (a restarted process) starts from zero.
+    other, _ = register(reg, "d1", identity=b"d1-elsewhere")
+    assert other.inflight == 0
+
+
+def test_counts_and_snapshot(reg, clock):
+    register(reg, "p1", Role.PREFILL)
+    register(reg, "d1")
+    register(reg, "d2")
+    reg.drain("d2")
+    reg.heartbeat("d1", Load(3, 1, 0.25), False)
+    clock.t += 1.5
+    assert reg.counts() == {("prefill", "ready"): 1, ("decode", "ready"): 1,
+                            ("decode", "draining"): 1}
+    snap = reg.snapshot()
+    assert [s["id"] for s in snap] == ["d1", "d2", "p1"]
+    d1 = snap[0]
+    assert d1["role"] == "decode" and d1["state"] == "ready" and d1["address"] == "10.0.0.1"
+    assert d1["model"] == "m" and d1["heartbeat_age_s"] == 1.5
+    assert (d1["running"], d1["waiting"], d1["kv_usage"]) == (3, 1, 0.25)
