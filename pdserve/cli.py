@@ -49,8 +49,13 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
-    logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # pdserve's own handler: vLLM and uvicorn reconfigure the root logger as they start.
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("pdserve")
+    root.addHandler(handler)
+    root.setLevel(os.environ.get("PDSERVE_LOG_LEVEL", "INFO"))
+    root.propagate = False
     if cmd == "serve":
         from pdserve.launcher import serve
 

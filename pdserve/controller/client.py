@@ -20,7 +20,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 
 from pdserve.controller.metrics import Metrics
 from pdserve.controller.pool import Pool
-from pdserve.controller.requests import Sequence, Settings, deterministic
+from pdserve.controller.requests import Sequence, Settings, State, deterministic
 from pdserve.controller.router import make_policy
 from pdserve.controller.stream import Stream
 
@@ -74,14 +74,15 @@ class PDController(EngineClient):
                          request_id, token_ids, deterministic(_child_params(params, i, n)), stream, i,
                          observer=timeline)
                 for i in range(n)]
-        self.active[request_id] = seqs
+        self.active.setdefault(request_id, []).extend(seqs)
         outcome = "aborted"
         try:
             async for _ in _merge_runs([s.run() for s in seqs]):
                 out = stream.emit()
                 if out is not None:
                     yield out
-            outcome = "completed"
+            aborted = any(s.state == State.ABORTED for s in seqs)
+            outcome = "aborted" if aborted else "completed"
         except GracefulHTTPError:
             outcome = "failed"
             raise
@@ -91,10 +92,14 @@ class PDController(EngineClient):
         finally:
             for s in seqs:
                 s.abort()
-            self.active.pop(request_id, None)
+            rest = [s for s in self.active.get(request_id, ()) if s not in seqs]
+            if rest:
+                self.active[request_id] = rest
+            else:
+                self.active.pop(request_id, None)
             timeline.finish(outcome)
 
-    async def abort(self, request_id: str | Iterable[str]) -> None:
+    async def abort(self, request_id: str | Iterable[str], **_: Any) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
             for s in self.active.get(rid, ()):

@@ -141,11 +141,20 @@ async def serve(args: argparse.Namespace) -> None:
             ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
             ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
             ssl_ciphers=args.ssl_ciphers)
+        _enable_pdserve_loggers()
         await shutdown_task
     finally:
         controller.shutdown()
         await pool.close()
         sock.close()
+
+
+def _enable_pdserve_loggers() -> None:
+    # uvicorn's logging set-up (dictConfig) disables loggers that exist before it runs; pdserve's
+    # request and pool logs are what explain the P/D path, so they are turned back on.
+    for name, lg in logging.root.manager.loggerDict.items():
+        if name.startswith("pdserve") and isinstance(lg, logging.Logger):
+            lg.disabled = False
 
 
 def main(argv: list[str] | None = None) -> None:

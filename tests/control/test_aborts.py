@@ -123,3 +123,23 @@ async def test_hundreds_of_requests_aborted_at_random_points_leave_nothing(clust
     # And the pool still serves correctly.
     outs = await cluster.run(PROMPT, greedy(8))
     assert final_tokens(outs) == fake.reference(PROMPT, greedy(8)).token_ids
+
+
+async def test_abort_ends_every_sequence_of_an_n_2_request(cluster):
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    await cluster.add("prefill")
+    await cluster.add("decode", decode_delay=0.01)
+    params = SamplingParams(n=2, max_tokens=50, temperature=1.0, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)
+    agen = cluster.controller.generate({"type": "token", "prompt_token_ids": PROMPT}, params,
+                                       "n2")
+    finish: dict[int, str | None] = {}
+    async for out in agen:
+        for c in out.outputs:
+            finish[c.index] = c.finish_reason
+        if len(finish) == 2 and "n2" in cluster.controller.active:
+            await cluster.controller.abort("n2")
+    assert finish == {0: "abort", 1: "abort"} and out.finished
+    await cluster.assert_clean()
