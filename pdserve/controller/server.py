@@ -34,7 +34,9 @@ def add_pd_args(parser) -> None:
                    help="folder from `pdserve keygen`: CurveZMQ-encrypt and authenticate workers")
     g.add_argument("--prefill-policy", default="least_loaded", choices=PREFILL_POLICIES)
     g.add_argument("--decode-policy", default="least_loaded", choices=DECODE_POLICIES)
-    g.add_argument("--local-prefill-threshold", type=int, default=0,
+    # 128: where a local prefill stalls the decode engine about as long as a handoff delays
+    # the first token, on the bench model (docs/performance.md, scripts/measure_local_prefill.py).
+    g.add_argument("--local-prefill-threshold", type=int, default=128,
                    help="prompts shorter than this many tokens are prefilled by their decode "
                         "worker, skipping the KV handoff (0: always disaggregate)")
     g.add_argument("--heartbeat-interval", type=float, default=1.0)

@@ -55,7 +55,9 @@ def pd_server(model_dir, logs, keys):
     port, wport = free_port(), free_port()
     p = Proc("serve", pdserve("serve", "--model", model_dir, "--port", str(port),
                               "--worker-port", str(wport), "--keys", keys,
-                              "--controller-arg=--token-timeout=20"), logs)
+                              "--controller-arg=--token-timeout=20",
+                              # Every prompt length through the handoff, even 1 token.
+                              "--controller-arg=--local-prefill-threshold=0"), logs)
     try:
         wait_for(lambda: "pdserve ready" in p.log(), 400, "pdserve serve", [p])
         server = Server(f"http://127.0.0.1:{port}", p, wport, keys)
