@@ -6,6 +6,7 @@ Ties are broken by worker id so that a choice is reproducible in tests.
 
 from __future__ import annotations
 
+import abc
 import hashlib
 import random
 from collections import OrderedDict
@@ -14,11 +15,12 @@ from collections.abc import Sequence
 from pdserve.controller.registry import Worker
 
 
-class Policy:
+class Policy(abc.ABC):
     name = ""
 
+    @abc.abstractmethod
     def choose(self, workers: Sequence[Worker], prompt: Sequence[int] = ()) -> Worker | None:
-        raise NotImplementedError  # abstract: every policy below implements it
+        """One of `workers` (all of which may take work), or None if there are none."""
 
     def routed(self, worker: Worker, prompt: Sequence[int]) -> None:
         """Called once the request is sent to `worker` (for policies that learn)."""
