@@ -390,7 +390,7 @@ async def _run_worker(args) -> int:
     keys = transport.Keys.load(args.keys) if args.keys else None
     worker = fake_worker(Role[args.role.upper()], args.controller, worker_id=args.worker_id,
                          keys=keys, heartbeat_interval=args.heartbeat_interval, info=info,
-                         decode_delay=args.decode_delay,
+                         drain_timeout=args.drain_timeout, decode_delay=args.decode_delay,
                          prefill_delay_per_token=args.prefill_delay_per_token)
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, lambda: asyncio.ensure_future(worker.drain()))
@@ -413,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--decode-delay", type=float, default=0.0)
     w.add_argument("--prefill-delay-per-token", type=float, default=0.0)
     w.add_argument("--heartbeat-interval", type=float, default=1.0)
+    w.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds a draining worker waits for in-flight requests")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -71,6 +71,9 @@ def parse_configs(spec: str) -> list[Config]:
 def bench_env(tmp: Path) -> dict[str, str]:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     env.setdefault("VLLM_RPC_BASE_PATH", str(tmp))
+    # The client keeps idle connections 60 s; a server closing them after vLLM's default 5 s
+    # races with their reuse and fails a request now and then ("Server disconnected").
+    env.setdefault("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "75")
     return env
 
 

@@ -316,6 +316,11 @@ class Sequence:
                     if item.error_kind == ErrorKind.INVALID:
                         raise ValueError(item.error)
                     raise WorkerFailed(f"worker {leg.worker.id}: {item.error}")
+                if any(d.finish_reason == "error" for d in item.seqs):
+                    # The engine gave up on the leg (e.g. a decode engine whose KV pull failed
+                    # because the prefill worker died): another worker may succeed.
+                    raise WorkerFailed(f"worker {leg.worker.id}: the engine ended {leg.id} "
+                                       "with an error")
                 yield item
                 if item.finished:
                     return
@@ -346,17 +351,19 @@ class Sequence:
                 self.stream.num_cached_tokens = min(out.num_cached_tokens, len(self.prompt))
             if out.prompt_logprobs is not None:
                 self.stream.set_prompt_logprobs(out.prompt_logprobs)
-            n = 0
+            n, changed = 0, False
             for d in out.seqs:
                 if skip or self._streamed_text:
                     d = self._drop_seen(d, skip, leg)
                 self.stream.add(d, self.index)
                 n += len(d.token_ids)
+                changed = changed or bool(d.token_ids or d.text or d.finish_reason)
             if n:
                 if first:
                     self.obs.decode_started(leg.worker.id)
                     first = False
                 self.obs.tokens(n)
+            if changed:  # also a last delta without tokens: its finish reason must go out
                 yield
                 self._check_aborted()
 

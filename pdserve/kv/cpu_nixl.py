@@ -26,7 +26,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPull
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
 
-logger = init_logger(__name__)
+# Under vLLM's logger: this runs in the engine's processes, where only vLLM's handler exists
+# (a "pdserve.*" logger there has none, and its INFO lines were lost).
+logger = init_logger(f"vllm.{__name__}")
 
 CONNECTOR_NAME = "PDCpuNixlConnector"
 

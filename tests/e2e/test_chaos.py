@@ -1,0 +1,182 @@
+"""Chaos with real engines (issue 4, item 6; the fake-engine version at scale is
+tests/control/test_chaos.py).
+
+Steady greedy load against the 1P1D `pd_server` plus an extra decode worker (core 1) and an extra
+prefill worker (core 0), while the extras are killed with SIGKILL (their whole process group,
+engine included) in the middle of their work and restarted under the same id. The pd_server's own
+prefill and decode workers stay alive, so a worker of each role is always there: every request
+must complete with exactly the plain engine's output; none may fail, and none may be lost (each
+returns within a bound).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import signal
+import threading
+import time
+from collections import Counter
+
+import openai
+from procs import get_json, wait_for
+from test_openai import complete, prompt_ids, stream_complete
+from test_pool import get_text, start_worker, workers
+
+LENGTHS = [5, 60, 127, 129, 300, 700, 1200]
+CLIENTS = 3
+THINK_S = (0.1, 0.5)  # a pause between a client's requests: steady load, not a saturated one
+# (engines restarting on cores that are busy without a break took 4-6 minutes to come up here)
+REQUEST_TIMEOUT = 120.0  # a request that has not returned by then is lost
+EXTRA = {"decode": "decode-0-chaos", "prefill": "prefill-0-chaos"}  # sort first: chosen on ties
+CORES = {"decode": "1", "prefill": "0"}
+# Victims in order; each is killed once it has work in flight, and restarted at once (the
+# prefill right after the decode: both restart under load at the same time).
+KILLS = ["decode", "prefill", "decode"]
+AFTER_LAST_KILL_S = 10.0  # load goes on this long after the last kill
+
+
+def metric(text: str, name: str, labels: str = "") -> float:
+    m = re.search(rf"^{re.escape(name + labels)} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def counters(base: str) -> dict[str, float]:
+    t = get_text(base + "/metrics")
+    return {
+        "recovered": metric(t, "pdserve_requests_recovered_total"),
+        "migrations": metric(t, "pdserve_retries_total", '{kind="migration"}'),
+        "prefill retries": metric(t, "pdserve_retries_total", '{kind="prefill_retry"}'),
+        "failed (controller)": metric(t, "pdserve_requests_total", '{outcome="failed"}'),
+    }
+
+
+def test_kill_9_and_restart_under_load(pd_server, pd_client, ref_client, model_dir, logs):
+    base = pd_server.base
+    rng = random.Random(777)
+    cases = [(prompt_ids(n, seed=60_000 + k), mt)
+             for k, (n, mt) in enumerate((n, mt) for n in LENGTHS for mt in (8, 120, 300))]
+    refs = [complete(ref_client, model_dir, p, max_tokens=mt, temperature=0)[0][0]
+            for p, mt in cases]
+
+    procs: dict[str, object] = {}
+    starts = Counter()
+
+    def spawn(role: str):
+        starts[role] += 1
+        procs[role] = start_worker(f"{EXTRA[role]}-{starts[role]}", role, pd_server, model_dir,
+                                   logs, "--worker-id", EXTRA[role], "--cores", CORES[role])
+
+    def ready(role: str) -> bool:
+        return workers(pd_server).get(EXTRA[role], {}).get("state") == "ready"
+
+    counts = Counter()
+    lock = threading.Lock()
+    failures: list[str] = []
+
+    def count(key: str, failure: str | None = None) -> None:
+        with lock:
+            counts[key] += 1
+            if failure:
+                failures.append(failure)
+    stop = threading.Event()
+    client = openai.OpenAI(base_url=pd_server.v1, api_key="none", timeout=REQUEST_TIMEOUT,
+                           max_retries=0)
+
+    longest = [0.0]
+
+    def load(k: int) -> None:
+        r = random.Random(k)
+        while not stop.wait(r.uniform(*THINK_S)):
+            i = r.randrange(len(cases))
+            prompt, mt = cases[i]
+            count("sent")
+            t0 = time.monotonic()
+            try:
+                if r.random() < 0.5:
+                    got = stream_complete(client, model_dir, prompt, max_tokens=mt,
+                                          temperature=0)
+                else:
+                    got = complete(client, model_dir, prompt, max_tokens=mt, temperature=0)[0][0]
+            except openai.APITimeoutError:
+                count("lost", f"case {i}: no answer after {REQUEST_TIMEOUT:.0f} s")
+                continue
+            except openai.APIError as e:
+                count("failed", f"case {i}: {type(e).__name__}: {e}")
+                continue
+            if got == refs[i]:
+                count("correct")
+            else:
+                count("wrong", f"case {i}: {got!r} != {refs[i]!r}")
+            with lock:
+                longest[0] = max(longest[0], time.monotonic() - t0)
+
+    threads = [threading.Thread(target=load, args=(k,), daemon=True) for k in range(CLIENTS)]
+    before = counters(base)
+    t_start = time.monotonic()
+    try:
+        spawn("decode")
+        spawn("prefill")
+        for role in ("decode", "prefill"):
+            wait_for(lambda role=role: ready(role), 400, f"the extra {role} worker",
+                     [procs[role]])
+        for t in threads:
+            t.start()
+        for role in KILLS:
+            wait_for(lambda role=role: ready(role), 400, f"the extra {role} worker to be back",
+                     [procs[role]])
+            wait_for(lambda role=role: workers(pd_server)[EXTRA[role]]["inflight"] > 0, 120,
+                     f"work on the extra {role} worker")
+            if role == "decode":
+                time.sleep(rng.uniform(0.0, 0.4))  # somewhere in its streams
+            procs[role].signal(signal.SIGKILL)  # the group: worker and engine processes
+            procs[role].proc.wait(30)
+            procs[role].stop()  # closes its log
+            counts[f"killed {role}"] += 1
+            wait_for(lambda role=role: workers(pd_server)[EXTRA[role]]["state"] == "dead", 15,
+                     f"the controller to see the {role} worker dead")
+            spawn(role)  # the same worker id: it replaces its dead entry
+        time.sleep(AFTER_LAST_KILL_S)
+        stop.set()
+        for t in threads:
+            t.join(REQUEST_TIMEOUT + 30)
+        elapsed = time.monotonic() - t_start
+        # The last restarts come up (faster without the load) and take work again.
+        for role in ("decode", "prefill"):
+            wait_for(lambda role=role: ready(role), 400, f"the extra {role} worker to be back",
+                     [procs[role]])
+        legs = {r: workers(pd_server)[EXTRA[r]]["legs_total"] for r in EXTRA}
+        for i in range(4):
+            prompt, mt = cases[i * 5]
+            assert complete(pd_client, model_dir, prompt, max_tokens=mt,
+                            temperature=0)[0][0] == refs[i * 5]
+        served = {r: workers(pd_server)[EXTRA[r]]["legs_total"] - legs[r] for r in EXTRA}
+        print(f"\nlegs served by the restarted extra workers: {served}")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(REQUEST_TIMEOUT + 30)
+        for p in procs.values():
+            p.stop()
+    after = counters(base)
+    delta = {k: after[k] - before[k] for k in after}
+    hung = sum(t.is_alive() for t in threads)
+    print(f"\nchaos over {elapsed:.0f} s, {CLIENTS} clients: sent {counts['sent']}, correct "
+          f"{counts['correct']}, recovered {delta['recovered']:.0f} (migrations "
+          f"{delta['migrations']:.0f}, prefill retries {delta['prefill retries']:.0f}), failed "
+          f"{counts['failed']}, wrong {counts['wrong']}, lost {counts['lost'] + hung}; killed "
+          f"{counts['killed decode']} decode + {counts['killed prefill']} prefill; longest "
+          f"request {longest[0]:.1f} s")
+    assert hung == 0
+    assert not failures, "\n".join(failures[:10])
+    assert counts["correct"] == counts["sent"] > 0
+    assert delta["failed (controller)"] == 0
+    assert delta["migrations"] + delta["prefill retries"] >= 1  # the kills did hit requests
+    assert all(served.values()), served
+
+    # The survivors end with nothing held: no leg, no request, no block.
+    complete(pd_client, model_dir, [7, 8, 9], max_tokens=2, temperature=0)
+    wait_for(lambda: all(w["running"] == w["waiting"] == w["inflight"] == 0
+                         and w["kv_usage"] == 0.0
+                         for w in get_json(base + "/pd/workers") if w["state"] == "ready"),
+             20, "the surviving workers to be idle")
