@@ -25,7 +25,7 @@ from test_pool import get_text, start_worker, workers
 
 LENGTHS = [5, 60, 127, 129, 300, 700, 1200]
 CLIENTS = 3
-THINK_S = (0.1, 0.5)  # a pause between a client's requests: steady load, not a saturated one
+THINK_S = (0.3, 1.0)  # a pause between a client's requests: steady load, not a saturated one
 # (engines restarting on cores that are busy without a break took 4-6 minutes to come up here)
 REQUEST_TIMEOUT = 120.0  # a request that has not returned by then is lost
 EXTRA = {"decode": "decode-0-chaos", "prefill": "prefill-0-chaos"}  # sort first: chosen on ties
@@ -55,7 +55,7 @@ def test_kill_9_and_restart_under_load(pd_server, pd_client, ref_client, model_d
     base = pd_server.base
     rng = random.Random(777)
     cases = [(prompt_ids(n, seed=60_000 + k), mt)
-             for k, (n, mt) in enumerate((n, mt) for n in LENGTHS for mt in (8, 120, 300))]
+             for k, (n, mt) in enumerate((n, mt) for n in LENGTHS for mt in (8, 120, 200))]
     refs = [complete(ref_client, model_dir, p, max_tokens=mt, temperature=0)[0][0]
             for p, mt in cases]
 
