@@ -195,10 +195,25 @@ class PDController(EngineClient):
         return False
 
     def shutdown(self, timeout: float | None = None) -> None:
+        # vLLM calls this from a worker thread; the pool's sockets belong to the event loop.
         self._stopped = True
-        for seqs in self.active.values():
+        loop = self.pool.loop
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
+        if loop is None or loop.is_closed() or here is loop:
+            self._abort_all()
+        else:
+            loop.call_soon_threadsafe(self._abort_all)
+
+    def _abort_all(self) -> None:
+        for seqs in list(self.active.values()):
             for s in seqs:
-                s.abort()
+                try:
+                    s.abort()
+                except Exception:  # shutting down: log, and free the rest
+                    logger.exception("abort during shutdown failed")
 
 
 def _prompt_token_ids(prompt) -> list[int]:

@@ -67,12 +67,14 @@ class Pool:
         self.dropped_messages = 0
         self._unreleased: deque[tuple[dict, str, str, float]] = deque(maxlen=100_000)
         self.on_worker_event: Callable[[str, Worker], None] = lambda event, worker: None
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def address(self) -> str:
         return self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
 
     def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
         self._tasks = [asyncio.create_task(self._recv_loop()),
                        asyncio.create_task(self._expiry_loop())]
 

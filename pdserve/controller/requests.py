@@ -127,6 +127,7 @@ class Sequence:
         self._tag = uuid.uuid4().hex[:8]
         self.failed_on: set[str] = set()  # workers that failed this sequence: tried last
         self._streamed_text = ""  # text of the prefill's token, which decode reproduces
+        self._text_upto = 0  # leading tokens of the stream whose text the client has
 
     # ---- public ----------------------------------------------------------------------------
 
@@ -216,9 +217,14 @@ class Sequence:
 
     async def _attempt(self) -> AsyncIterator[None]:
         done = self.stream.tokens(self.index)
-        ctx = self.prompt + done
-        left = self.params.max_tokens - len(done)
-        min_left = max(0, (self.params.min_tokens or 0) - len(done))
+        # Tokens the client has without their text yet (held back by the detokenizer: part of a
+        # UTF-8 character, or of a possible stop string) are drawn again, not put in the
+        # context: their text would be lost, and a context ending inside a character makes
+        # vLLM's detokenizer send the whole context as text (vllm-project/vllm#48853).
+        keep = min(self._text_upto, len(done))
+        ctx, replay = self.prompt + done[:keep], list(done[keep:])
+        left = self.params.max_tokens - keep
+        min_left = max(0, (self.params.min_tokens or 0) - keep)
         first_attempt = not done and self.failures == 0
         self._streamed_text = ""
         want_plp = bool(self.params.prompt_logprobs) and first_attempt
@@ -232,7 +238,8 @@ class Sequence:
                         len(ctx), d.id)
             leg = self._send(d, Phase.LOCAL, ctx, leg_params(
                 self.params, max_tokens=left, min_tokens=min_left, prompt_logprobs=want_plp))
-            async for _ in self._relay(leg, "local prefill", first_timeout=self.s.prefill_timeout):
+            async for _ in self._relay(leg, "local prefill", first_timeout=self.s.prefill_timeout,
+                                       skip=replay):
                 yield
             return
 
@@ -258,7 +265,10 @@ class Sequence:
                                                          or left <= 1)
         if not ends_here:
             first.finish_reason = first.stop_reason = None
-        self.stream.add(first, self.index)
+        first_ids = list(first.token_ids)
+        if replay:
+            first = self._drop_seen(first, replay, leg)  # the client has it: keep its text only
+        self._add(first)
         self.obs.tokens(len(first.token_ids))
         yield
         self._check_aborted()
@@ -281,7 +291,7 @@ class Sequence:
         self._streamed_text = first.text
         try:
             async for _ in self._relay(leg, "KV handoff", first_timeout=self.s.token_timeout,
-                                       skip=list(first.token_ids)):
+                                       skip=first_ids + replay):
                 yield
         except (WorkerLost, WorkerFailed, StepTimeout):
             if not leg.outputs:  # it failed before pulling the KV (a dead engine): free it
@@ -355,7 +365,7 @@ class Sequence:
             for d in out.seqs:
                 if skip or self._streamed_text:
                     d = self._drop_seen(d, skip, leg)
-                self.stream.add(d, self.index)
+                self._add(d)
                 n += len(d.token_ids)
                 changed = changed or bool(d.token_ids or d.text or d.finish_reason)
             if n:
@@ -366,6 +376,11 @@ class Sequence:
             if changed:  # also a last delta without tokens: its finish reason must go out
                 yield
                 self._check_aborted()
+
+    def _add(self, d: SeqDelta) -> None:
+        self.stream.add(d, self.index)
+        if d.text:  # (a delta of several tokens may still hold its last one back: rare)
+            self._text_upto = len(self.stream.tokens(self.index))
 
     def _drop_seen(self, d: SeqDelta, skip: list[int], leg: Leg) -> SeqDelta:
         k = 0
