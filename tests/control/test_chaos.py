@@ -17,7 +17,7 @@ from pdserve import fake
 async def test_kill_9_and_restart_under_load(make_cluster, tmp_path):
     rng = random.Random(99)
     c = await make_cluster(heartbeat=0.2, missed=5, settings=fast_settings(
-        queue_timeout=5.0, prefill_timeout=5.0, token_timeout=3.0, max_retries=4))
+        queue_timeout=10.0, prefill_timeout=15.0, token_timeout=10.0, max_retries=4))
     await c.add("prefill")
     await c.add("decode", decode_delay=0.005)
     procs: dict[str, asyncio.subprocess.Process] = {}
