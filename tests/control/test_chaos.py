@@ -29,7 +29,8 @@ async def test_kill_9_and_restart_under_load(make_cluster, tmp_path):
                 sys.executable, "-m", "pdserve.fake", "worker", "--role", role,
                 "--controller", c.address, "--worker-id", wid, "--decode-delay", "0.01",
                 "--heartbeat-interval", "0.2", stdout=log, stderr=log, env=env)
-        await wait_until(lambda: c.is_ready(wid), 90, f"{wid} to register")
+        # A subprocess worker imports vLLM (~10 s, far longer on a loaded machine).
+        await wait_until(lambda: c.is_ready(wid), 300, f"{wid} to register")
 
     counts = {"sent": 0, "completed": 0, "failed": 0, "wrong": 0}
 
