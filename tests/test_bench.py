@@ -252,7 +252,11 @@ def test_parse_configs() -> None:
     assert cfgs[2].both == 3 and cfgs[2].colocated  # as many engines as the largest XpYd
     assert cluster.parse_configs("colocated")[0].both == 2
     assert cluster.parse_configs("colocated4")[0].engines == 4
-    for bad in ("1P", "0P1D", "mixed"):
+    assert cfgs[0].local_threshold is None  # the controller's default
+    pure = cluster.parse_configs("1P1D@0,colocated")
+    assert pure[0].name == "1P1D@0" and pure[0].local_threshold == 0
+    assert pure[1].both == 2
+    for bad in ("1P", "0P1D", "mixed", "1P1D@", "1P1D@x", "colocated@0"):
         with pytest.raises(ValueError):
             cluster.parse_configs(bad)
 

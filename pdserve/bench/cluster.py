@@ -11,6 +11,7 @@ Every child runs in its own process group (its engine processes too) and is stop
 
 from __future__ import annotations
 
+import abc
 import os
 import re
 import subprocess
@@ -35,6 +36,8 @@ class Config:
     prefill: int = 0
     decode: int = 0
     both: int = 0
+    # Controller's --local-prefill-threshold for XpYd; None keeps the controller's default.
+    local_threshold: int | None = None
 
     @property
     def engines(self) -> int:
@@ -49,20 +52,24 @@ class Config:
 
 
 def parse_configs(spec: str) -> list[Config]:
-    """`1P1D,2P1D,colocated`: `colocated` has as many engines as the largest XpYd listed (2 if
-    none); `colocatedN` sets N."""
+    """`1P1D,2P1D@0,colocated`: `@T` sets the controller's local-prefill threshold (`@0`: every
+    prompt goes through the KV handoff); `colocated` has as many engines as the largest XpYd
+    listed (2 if none); `colocatedN` sets N."""
     names = [s.strip() for s in spec.split(",") if s.strip()]
     out: list[Config | str] = []
     for name in names:
-        if m := re.fullmatch(r"(\d+)P(\d+)D", name, re.IGNORECASE):
+        if m := re.fullmatch(r"(\d+)P(\d+)D(?:@(\d+))?", name, re.IGNORECASE):
             x, y = int(m[1]), int(m[2])
             if x < 1 or y < 1:
                 raise ValueError(f"{name}: need at least one prefill and one decode worker")
-            out.append(Config(f"{x}P{y}D", prefill=x, decode=y))
+            t = None if m[3] is None else int(m[3])
+            out.append(Config(f"{x}P{y}D" + ("" if t is None else f"@{t}"), prefill=x, decode=y,
+                              local_threshold=t))
         elif m := re.fullmatch(r"colocated(\d*)", name, re.IGNORECASE):
             out.append(m[1] or "colocated")
         else:
-            raise ValueError(f"unknown configuration {name!r}: want XpYd (e.g. 1P1D) or colocated")
+            raise ValueError(f"unknown configuration {name!r}: want XpYd[@T] (e.g. 1P1D, 1P1D@0) "
+                             "or colocated[N]")
     n = max((c.engines for c in out if isinstance(c, Config)), default=2)
     return [c if isinstance(c, Config) else Config("colocated", both=int(c) if c != "colocated"
                                                    else n) for c in out]
@@ -82,7 +89,7 @@ def _get(url: str, timeout: float = 2.0) -> int:
         return int(r.status)
 
 
-class Deployment:
+class Deployment(abc.ABC):
     """Children started in their own process groups, logs in `logdir`."""
 
     def __init__(self, logdir: Path):
@@ -99,9 +106,9 @@ class Deployment:
         self.children.append(child)
         return child
 
+    @abc.abstractmethod
     def start(self, timeout: float = 600.0) -> str:
         """Start the children, wait until they serve; return the HTTP base URL."""
-        raise NotImplementedError  # each deployment starts its own children
 
     def groups(self) -> dict[str, int]:
         """Process-group id of each child, by name (a child leads its own group)."""
@@ -154,6 +161,8 @@ class PdDeployment(Deployment):
                "--worker-port", str(wport), "--disable-uvicorn-access-log"]
         if self.cfg.colocated:
             ctl += ["--local-prefill-threshold", str(ALL_LOCAL)]
+        elif self.cfg.local_threshold is not None:
+            ctl += ["--local-prefill-threshold", str(self.cfg.local_threshold)]
         if keydir:
             ctl += ["--keys", keydir]
         self.spawn("controller", ctl + self.controller_args, env)

@@ -165,7 +165,7 @@ def plot_cdfs(records: Records, path: Path) -> Path:
                 xs = sorted(v * 1e3 for v in samples(records.get((cfg, rate), []), metric))
                 if xs:
                     ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=cfg)
-            if metric in ("ttft", "itl"):
+            if metric in ("ttft", "itl", "e2e"):
                 ax.set_xscale("symlog", linthresh=1.0)
             ax.set_title(f"{NAMES[metric]} at {rate:g} req/s", fontsize=9)
             ax.set_xlabel("ms", fontsize=8)
