@@ -63,6 +63,8 @@ class PDController(EngineClient):
                        prompt_text: str | None = None, **kwargs: Any,
                        ) -> AsyncGenerator[Any, None]:
         token_ids = _prompt_token_ids(prompt)
+        # What a plain engine's input processor checks here: no worker can serve such ids.
+        self.renderer.validate_token_ids(token_ids)
         if prompt_text is None and isinstance(prompt, dict):
             prompt_text = prompt.get("prompt")
         params = sampling_params

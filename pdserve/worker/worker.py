@@ -250,11 +250,23 @@ class PDWorker:
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the engine refused or failed: tell the controller why
-            kind = ErrorKind.INVALID if isinstance(e, (ValueError, TypeError)) else ErrorKind.ENGINE
+            kind = ErrorKind.INVALID if isinstance(e, _REFUSED) else ErrorKind.ENGINE
             logger.warning("request %s failed on %s: %s: %s", rid, self.worker_id,
                            type(e).__name__, e)
             self._reply(i, Output(rid, [], finished=True, error=f"{type(e).__name__}: {e}",
                                   error_kind=kind))
+
+
+def _refused_types() -> tuple[type[Exception], ...]:
+    try:
+        from vllm.exceptions import VLLMClientError  # e.g. an out-of-vocabulary token id
+    except ImportError:
+        return (ValueError, TypeError)
+    return (ValueError, TypeError, VLLMClientError)
+
+
+# The engine refused the request itself: any other worker would refuse it too.
+_REFUSED = _refused_types()
 
 
 def _params_for_phase(params, msg: protocol.Generate):

@@ -198,8 +198,20 @@ async def test_client_kv_transfer_params_are_ignored(pd):
 
 async def test_prompt_longer_than_the_context_is_a_value_error(pd):
     with pytest.raises(ValueError):
-        await pd.run(list(range(5000)), greedy(4))
+        await pd.run([i % 1000 for i in range(5000)], greedy(4))
     outs = await pd.run(PROMPT, greedy(4))  # and the system keeps serving
+    assert len(final_tokens(outs)) == 4
+    await pd.assert_clean()
+
+
+@pytest.mark.parametrize("bad", [2048, 10**6, -1])
+async def test_out_of_vocabulary_token_ids_are_refused_before_any_worker(pd, bad):
+    from vllm.exceptions import VLLMValidationError  # vLLM's server answers it with a 400
+
+    with pytest.raises(VLLMValidationError, match="out of vocabulary"):
+        await pd.run([1, 2, bad, 3], greedy(4))
+    assert [e.served for e in pd.engines()] == [[], []]
+    outs = await pd.run(PROMPT, greedy(4))
     assert len(final_tokens(outs)) == 4
     await pd.assert_clean()
 
