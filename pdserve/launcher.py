@@ -35,10 +35,17 @@ class Child:
 
 
 def assign_cores(n_engines: int, cores: list[int]) -> list[str | None]:
-    """One core per engine while there are enough; otherwise no pinning (the OS shares)."""
-    if n_engines <= len(cores):
-        return [str(c) for c in cores[:n_engines]]
-    return [None] * n_engines
+    """The cores split evenly between the engines (the first ones get any remainder), each
+    worker kept to its share; with fewer cores than engines, no pinning (the OS shares)."""
+    if n_engines == 0 or n_engines > len(cores):
+        return [None] * n_engines
+    share, extra = divmod(len(cores), n_engines)
+    out, start = [], 0
+    for i in range(n_engines):
+        mine = cores[start:start + share + (i < extra)]
+        start += len(mine)
+        out.append(",".join(map(str, mine)))
+    return out
 
 
 def worker_command(role: str, controller: str, model: str, cores: str | None,

@@ -87,6 +87,21 @@ def engine_env(s: EngineSettings, cpu: bool) -> dict[str, str]:
     return env
 
 
+def parse_cores(spec: str) -> set[int]:
+    """CPU ids from a list like "0", "0-3" or "0,2-3" (the VLLM_CPU_OMP_THREADS_BIND form)."""
+    out: set[int] = set()
+    for part in spec.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        try:
+            first, last = int(lo), int(hi if sep else lo)
+        except ValueError:
+            raise ValueError(f"bad core list {spec!r}: want e.g. 0, 0-3 or 0,2-3") from None
+        if first < 0 or last < first:
+            raise ValueError(f"bad core range {part.strip()!r} in {spec!r}")
+        out.update(range(first, last + 1))
+    return out
+
+
 def resolve_dtype(dtype: str, cpu: bool) -> str:
     # On CPU, vLLM's "auto" turns float32 checkpoints into bfloat16, whose kernels died with
     # SIGILL on the virtual machines here (AMX advertised, not usable): stay in float32.

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import pytest
 from test_openai import complete, prompt_ids
 
+from pdserve.worker.engine import parse_cores
+
 CONNECTOR_LINE = "Creating v1 connector with name: PDCpuNixlConnector"
 PROGRESS_LINE = "progress thread polls every"
 
@@ -101,14 +103,6 @@ def worker_trees(root_pid: int) -> dict[str, WorkerTree]:
     return trees
 
 
-def _cores(spec: str) -> set[int]:
-    out: set[int] = set()
-    for part in spec.split(","):
-        lo, _, hi = part.partition("-")
-        out.update(range(int(lo), int(hi or lo) + 1))
-    return out
-
-
 def thread_affinities(pid: int) -> dict[int, tuple[str, set[int]]]:
     """Every thread of a process: tid -> (name, allowed cores)."""
     out = {}
@@ -116,7 +110,7 @@ def thread_affinities(pid: int) -> dict[int, tuple[str, set[int]]]:
         try:
             with open(f"/proc/{pid}/task/{tid}/status") as f:
                 m = re.search(r"^Cpus_allowed_list:\s*(\S+)", f.read(), re.M)
-            out[int(tid)] = (_comm(pid, int(tid)), _cores(m.group(1)))
+            out[int(tid)] = (_comm(pid, int(tid)), parse_cores(m.group(1)))
         except OSError:
             pass  # a thread that ended meanwhile
     return out
@@ -136,10 +130,10 @@ def trees(pd_server) -> dict[str, WorkerTree]:
     return t
 
 
-def test_engine_threads_keep_to_the_workers_cores(trees):
+def test_the_whole_worker_keeps_to_its_cores(trees):
     # The launcher gives each engine its own core: prefill 0, decode 1 (on this 2-core host).
     assert trees["prefill"].cores is not None and trees["decode"].cores is not None
-    given = {role: _cores(t.cores) for role, t in trees.items()}
+    given = {role: parse_cores(t.cores) for role, t in trees.items()}
     assert given["prefill"].isdisjoint(given["decode"])
     if len(os.sched_getaffinity(0)) == 2:
         assert given == {"prefill": {0}, "decode": {1}}
@@ -154,6 +148,12 @@ def test_engine_threads_keep_to_the_workers_cores(trees):
               f"{sorted(set().union(*(c for _, c in compute.values())))}; given {t.cores}")
         assert {tid: c for tid, (_, c) in compute.items() if c != given[role]} == {}, \
             f"{role} engine threads off their cores {given[role]}: {compute}"
+        # The rest of the worker too: its own process, the engine's scheduler process and every
+        # other thread (NIXL, UCX, ZMQ), so nothing of one engine runs on the other's core.
+        for proc in t.pids:
+            stray = {tid: a for tid, a in thread_affinities(proc).items()
+                     if not a[1] <= given[role]}
+            assert stray == {}, f"{role} process {proc}: threads off {given[role]}: {stray}"
 
 
 def test_the_cpu_connector_is_in_use(pd_server, trees):
