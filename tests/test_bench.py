@@ -331,3 +331,23 @@ def test_nan_becomes_null_in_json(tmp_path: Path) -> None:
     loaded = json.loads((tmp_path / "results.json").read_text())
     assert loaded["configs"]["x"]["runs"][0]["summary"]["ttft"]["p50"] is None
     assert "| x | 1 | 0 / 0 | - / - / - |" in (tmp_path / "report.md").read_text()
+
+
+def test_a_spawned_child_keeps_to_the_cpus_it_was_given(tmp_path: Path) -> None:
+    import os
+    import sys
+
+    class Bare(cluster.Deployment):
+        def start(self, timeout: float = 600.0) -> str:
+            return ""
+
+    core = max(os.sched_getaffinity(0))
+    code = ("import os, subprocess, sys; print(sorted(os.sched_getaffinity(0)), flush=True); "
+            "subprocess.run([sys.executable, '-c', "
+            "'import os; print(sorted(os.sched_getaffinity(0)))'])")
+    with Bare(tmp_path / "logs") as dep:
+        child = dep.spawn("probe", [sys.executable, "-c", code], dict(os.environ), {core})
+        assert child.proc.wait(60) == 0
+        assert child.proc.pid in dep.groups().values()
+    lines = (tmp_path / "logs" / "probe.log").read_text().split()
+    assert lines == [f"[{core}]", f"[{core}]"]  # the child and its own children

@@ -25,6 +25,7 @@ from typing import Self
 
 from pdserve import launcher
 from pdserve.bench.procs import free_port
+from pdserve.worker.engine import parse_cores
 
 ALL_LOCAL = 10**9  # a local-prefill threshold no prompt reaches
 WorkerCmd = Callable[[str, str, "str | None", "str | None"], list[str]]
@@ -98,10 +99,14 @@ class Deployment(abc.ABC):
         self.base_url = ""
         logdir.mkdir(parents=True, exist_ok=True)
 
-    def spawn(self, name: str, cmd: list[str], env: dict[str, str]) -> launcher.Child:
+    def spawn(self, name: str, cmd: list[str], env: dict[str, str],
+              cpus: set[int] | None = None) -> launcher.Child:
+        """Start a child in its own process group; `cpus`: keep it and its children there."""
+        pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
         with open(self.logdir / f"{name}.log", "ab") as log:
             proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+                                    stdin=subprocess.DEVNULL, start_new_session=True,
+                                    preexec_fn=pin)
         child = launcher.Child(name, proc)
         self.children.append(child)
         return child
@@ -135,8 +140,9 @@ class PdDeployment(Deployment):
 
     def __init__(self, cfg: Config, model: str, workdir: Path, *, keys: bool = True,
                  controller_args: list[str] | None = None, worker_args: list[str] | None = None,
-                 worker_cmd: WorkerCmd | None = None):
+                 worker_cmd: WorkerCmd | None = None, cores: list[int] | None = None):
         super().__init__(workdir / "logs" / cfg.name)
+        self.all_cores = cores  # split between the workers (default: all of this process's)
         self.cfg, self.model, self.workdir = cfg, model, workdir
         self.keys = keys
         self.controller_args = list(controller_args or [])
@@ -168,7 +174,8 @@ class PdDeployment(Deployment):
         self.spawn("controller", ctl + self.controller_args, env)
         controller = f"tcp://127.0.0.1:{wport}"
         roles = self.cfg.roles()
-        cores = launcher.assign_cores(len(roles), sorted(os.sched_getaffinity(0)))
+        available = self.all_cores or sorted(os.sched_getaffinity(0))
+        cores = launcher.assign_cores(len(roles), available)
         for i, (role, core) in enumerate(zip(roles, cores)):
             name = f"{role}-{i}"
             self.cores[name] = core
@@ -187,7 +194,8 @@ class PdDeployment(Deployment):
 
 
 class VllmDeployment(Deployment):
-    """vLLM's own OpenAI server, one engine pinned to `core` (the overhead baseline)."""
+    """vLLM's own OpenAI server, one engine, the whole server kept to `core` as a pdserve worker
+    keeps itself (the overhead baseline)."""
 
     def __init__(self, model: str, workdir: Path, core: str | None = "0",
                  extra: list[str] | None = None):
@@ -208,7 +216,8 @@ class VllmDeployment(Deployment):
         if self.core is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.core
         port = free_port()
-        child = self.spawn("vllm-server", self.command(port), env)
+        cpus = None if self.core is None else parse_cores(self.core)
+        child = self.spawn("vllm-server", self.command(port), env, cpus)
         self.base_url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -86,7 +86,12 @@ def part_a(args: argparse.Namespace, model: str, out: Path) -> dict[str, Any]:
     with cluster.VllmDeployment(model, out, core=args.core) as dep:
         res["vllm"] = _latency_run(dep, "vllm", model, out, args)
     pd = cluster.Config("pdserve", both=1)
-    with cluster.PdDeployment(pd, model, out, keys=not args.no_keys) as dep:
+    from pdserve.worker.engine import parse_cores
+
+    # The worker (and its engine) on the same core as vLLM's server; the controller runs free,
+    # as it would on its own host.
+    with cluster.PdDeployment(pd, model, out, keys=not args.no_keys,
+                              cores=sorted(parse_cores(args.core))) as dep:
         res["pdserve"] = _latency_run(dep, "pdserve", model, out, args)
     return res
 
