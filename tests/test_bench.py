@@ -186,6 +186,25 @@ def test_summary_goodput_and_latencies() -> None:
     assert loose["goodput"] == pytest.approx(4 / 2.0)
 
 
+def test_pauses_show_the_gaps_itl_p99_hides() -> None:
+    from pdserve.bench.metrics import pauses
+
+    # 100 streams of 100 steady 10 ms gaps; one stream paused 300 ms once (0.01% of the gaps),
+    # and every stream's first gap (a KV handoff) 60 ms.
+    recs = [Record(100, 101, ttft=0.1, e2e=1.1, itl=[0.06] + [0.01] * 99) for _ in range(100)]
+    recs[7].itl[50] = 0.3
+    p = pauses(recs)
+    assert percentiles([g for r in recs for g in r.itl], (99,))["p99"] == pytest.approx(60.0)
+    assert p["itl_max_ms"] == pytest.approx(300.0)
+    assert p["gaps_paused"] == pytest.approx(1 / 10_000)
+    assert p["requests_paused"] == pytest.approx(1 / 100)
+    assert p["worst_gap_p90_ms"] == pytest.approx(60.0)
+    assert p["later_itl_max_ms"] == pytest.approx(300.0)
+    assert p["itl_p99.9_ms"] == pytest.approx(60.0)  # the handoff gaps are 1% of all gaps
+    assert p["later_itl_p99.9_ms"] == pytest.approx(10.0)
+    assert pauses([Record(1, 1, ttft=0.1, e2e=0.1)]) == {}
+
+
 def test_summary_by_class() -> None:
     by = summarize_by_class(_records(), 2.0, Slo())
     assert set(by) == {"long", "short"}
@@ -351,3 +370,27 @@ def test_a_spawned_child_keeps_to_the_cpus_it_was_given(tmp_path: Path) -> None:
         assert child.proc.pid in dep.groups().values()
     lines = (tmp_path / "logs" / "probe.log").read_text().split()
     assert lines == [f"[{core}]", f"[{core}]"]  # the child and its own children
+
+
+def test_report_subcommand_recomputes_summaries_from_the_saved_client_results(
+        tmp_path: Path) -> None:
+    from pdserve.bench.main import main as bench_main
+
+    recs = _records()
+    raw = {"ttfts": [r.ttft for r in recs], "itls": [r.itl for r in recs],
+           "latencies": [r.e2e for r in recs], "input_lens": [r.input_len for r in recs],
+           "output_lens": [r.output_len for r in recs], "start_times": [0.0] * len(recs),
+           "errors": [r.error for r in recs]}
+    out = tmp_path / "res"
+    (out / "raw").mkdir(parents=True)
+    (out / "raw" / "1P1D-r1.json").write_text(json.dumps(raw))
+    stale = {"completed": 0, "failed": 0, "requests": 0}  # e.g. written by an older pdserve
+    results = {"meta": {"slo": "ttft:2000 tpot:18"}, "configs": {"1P1D": {"runs": [
+        {"rate": 1.0, "duration": 2.0, "raw": "raw/1P1D-r1.json", "summary": stale}]}}}
+    (out / "results.json").write_text(json.dumps(results))
+    assert bench_main(["report", str(out)]) == 0
+    s = json.loads((out / "results.json").read_text())["configs"]["1P1D"]["runs"][0]["summary"]
+    assert (s["completed"], s["failed"]) == (4, 1)
+    assert s["goodput"] == pytest.approx(1.0)  # as summarize() over the same records
+    assert "## Pauses in the streams" in (out / "report.md").read_text()
+    assert bench_main(["report"]) == 2

@@ -190,6 +190,12 @@ def main(argv: list[str] | None = None) -> int:
         from pdserve.bench.overhead import main as overhead_main
 
         return overhead_main(argv[1:])
+    if argv and argv[0] == "report":
+        if len(argv) != 2:
+            print("usage: pdserve bench report RESULTS_DIR", file=sys.stderr)
+            return 2
+        print(report.markdown(rerender(Path(argv[1]))))
+        return 0
     args = make_parser().parse_args(argv)
     try:
         configs = cluster.parse_configs(args.configs)
@@ -225,6 +231,21 @@ def main(argv: list[str] | None = None) -> int:
     print(report.markdown(results))
     print(f"\nresults in {out}/ (results.json, report.md, latency_cdf.png, goodput.png)")
     return status
+
+
+def rerender(out: Path) -> dict[str, Any]:
+    """Recompute every run's summary from the client's saved results and rewrite the report
+    (after the report gains a figure, or to re-read an old run); per-class tables are kept."""
+    results: dict[str, Any] = json.loads((out / "results.json").read_text())
+    slo = metrics.parse_slo([results["meta"].get("slo", "")])
+    records: dict[tuple[str, float], list[metrics.Record]] = {}
+    for name, cfg in results["configs"].items():
+        for run in cfg["runs"]:
+            recs = metrics.records_from_vllm(json.loads((out / run["raw"]).read_text()))
+            records[(name, run["rate"])] = recs
+            run["summary"] = metrics.summarize(recs, run["duration"], slo)
+    report.write_report(results, records, out)
+    return results
 
 
 def meta(argv: list[str], args: argparse.Namespace, model: str,

@@ -111,6 +111,32 @@ def samples(records: Sequence[Record], metric: str) -> list[float]:
     raise ValueError(metric)
 
 
+PAUSE_S = 0.1  # a gap between two tokens this long is a visible pause in the stream
+
+
+def pauses(records: Sequence[Record]) -> dict[str, float]:
+    """The stream's worst gaps, which ITL p99 hides when they are under 1% of all gaps (a
+    colocated engine's prefill pauses only the few streams on that engine): ITL p99.9, the
+    longest gap, the share of gaps and of requests with a pause >= PAUSE_S, and the p90 over
+    requests of each one's worst gap; also the same without each stream's first gap (the KV
+    handoff's, in P/D)."""
+    ok = [r for r in records if r.ok and r.itl]
+    gaps = [g for r in ok for g in r.itl]
+    later = [g for r in ok for g in r.itl[1:]]
+    if not gaps:
+        return {}
+    worst = [max(r.itl) for r in ok]
+    return {
+        "itl_p99.9_ms": percentiles(gaps, (99.9,))["p99.9"],
+        "itl_max_ms": 1e3 * max(gaps),
+        "gaps_paused": sum(g >= PAUSE_S for g in gaps) / len(gaps),
+        "requests_paused": sum(w >= PAUSE_S for w in worst) / len(worst),
+        "worst_gap_p90_ms": percentiles(worst, (90,))["p90"],
+        "later_itl_p99.9_ms": percentiles(later, (99.9,))["p99.9"] if later else float("nan"),
+        "later_itl_max_ms": 1e3 * max(later) if later else float("nan"),
+    }
+
+
 def summarize(records: Sequence[Record], duration: float, slo: Slo) -> dict[str, Any]:
     """Latency percentiles (ms), throughput and goodput for one run of `duration` seconds."""
     ok = [r for r in records if r.ok]
@@ -127,6 +153,7 @@ def summarize(records: Sequence[Record], duration: float, slo: Slo) -> dict[str,
     }
     for m in METRICS:
         out[m] = percentiles(samples(records, m))
+    out["pauses"] = pauses(records)
     return out
 
 

@@ -45,6 +45,23 @@ def latency_table(results: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def pause_table(results: Mapping[str, Any]) -> list[str]:
+    lines = [("| configuration | rate | ITL p99.9 (ms) | longest gap (ms) | gaps >= 100 ms "
+              "| requests with a gap >= 100 ms | worst gap per request, p90 (ms) "
+              "| after the first gap: ITL p99.9 / longest (ms) |"), "|" + "---|" * 8]
+    for name, cfg in results["configs"].items():
+        for run in cfg["runs"]:
+            p = run["summary"].get("pauses")
+            if not p:
+                continue
+            lines.append(
+                f"| {name} | {run['rate']:g} | {fmt_ms(p['itl_p99.9_ms'])} "
+                f"| {fmt_ms(p['itl_max_ms'])} | {p['gaps_paused']:.2%} "
+                f"| {p['requests_paused']:.0%} | {fmt_ms(p['worst_gap_p90_ms'])} "
+                f"| {fmt_ms(p['later_itl_p99.9_ms'])} / {fmt_ms(p['later_itl_max_ms'])} |")
+    return lines
+
+
 def _others(run: Mapping[str, Any]) -> str:
     """CPU other people's processes used during the run (% of one core): noise to watch."""
     others = run.get("cpu", {}).get("others")
@@ -136,6 +153,10 @@ def markdown(results: Mapping[str, Any]) -> str:
         if key in meta:
             out.append(f"- {key}: `{meta[key]}`")
     out += ["", "## Latency, throughput and goodput", "", *latency_table(results)]
+    if any(run["summary"].get("pauses") for c in results["configs"].values()
+           for run in c["runs"]):
+        out += ["", "## Pauses in the streams (the tail ITL p99 hides)", "",
+                *pause_table(results)]
     if any(run.get("by_class") for c in results["configs"].values() for run in c["runs"]):
         out += ["", "## By request class", "", *class_table(results)]
     if comp := comparison(results):

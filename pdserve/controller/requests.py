@@ -8,7 +8,8 @@ streamed are prefilled again and another decode worker continues, so the client 
 exactly once. An abort at any point frees the request on every worker that holds it, including
 prefill-side blocks that no decode will read.
 
-First token: the prefill worker samples the request's first token; it is streamed at once. The
+First token: the prefill worker samples the request's first token; it is streamed at once (or,
+with `first_token="decode"`, together with the decode worker's first output). The
 decode worker is given the same context (never context + that token: a context ending on a block
 boundary would then need one more block than the prefill worker holds, which vLLM's NIXL reader
 asserts against), recomputes the last position from the transferred KV and samples the first token
@@ -62,6 +63,10 @@ class Settings:
     prefill_timeout: float = 300.0
     token_timeout: float = 60.0  # decode's first token (incl. the KV pull) and each later gap
     max_retries: int = 2  # failed legs (prefill retries + decode migrations) per sequence
+    # "prefill": stream the prefill's token at once (lowest TTFT); "decode": hold it until the
+    # decode worker's first token arrives (TTFT includes the handoff; no handoff gap in the
+    # stream, so inter-token latency is the decode engine's alone).
+    first_token: str = "prefill"
 
 
 class WorkerFailed(Exception):
@@ -268,10 +273,14 @@ class Sequence:
         first_ids = list(first.token_ids)
         if replay:
             first = self._drop_seen(first, replay, leg)  # the client has it: keep its text only
-        self._add(first)
-        self.obs.tokens(len(first.token_ids))
-        yield
-        self._check_aborted()
+        held = None
+        if ends_here or self.s.first_token != "decode":
+            self._add(first)
+            self.obs.tokens(len(first.token_ids))
+            yield
+            self._check_aborted()
+        else:
+            held = first  # goes out with the decode worker's first output
         if ends_here:
             self._release_pending()
             return
@@ -291,7 +300,7 @@ class Sequence:
         self._streamed_text = first.text
         try:
             async for _ in self._relay(leg, "KV handoff", first_timeout=self.s.token_timeout,
-                                       skip=first_ids + replay):
+                                       skip=first_ids + replay, held=held):
                 yield
         except (WorkerLost, WorkerFailed, StepTimeout):
             if not leg.outputs:  # it failed before pulling the KV (a dead engine): free it
@@ -351,9 +360,11 @@ class Sequence:
                     self.pool.release_kv(item.kv_transfer_params, f"{leg.id}-unread")
 
     async def _relay(self, leg: Leg, step: str, first_timeout: float,
-                     skip: list[int] | None = None) -> AsyncIterator[None]:
+                     skip: list[int] | None = None, held: SeqDelta | None = None
+                     ) -> AsyncIterator[None]:
         """Feed a leg's tokens into the stream, first dropping `skip` (tokens already streamed,
-        which the worker must reproduce)."""
+        which the worker must reproduce); `held`, the prefill's token not yet streamed, goes out
+        with the leg's first output."""
         skip = list(skip or [])
         first = True
         async for out in self._outputs(leg, step, first_timeout, self.s.token_timeout):
@@ -362,6 +373,9 @@ class Sequence:
             if out.prompt_logprobs is not None:
                 self.stream.set_prompt_logprobs(out.prompt_logprobs)
             n, changed = 0, False
+            if held is not None:
+                self._add(held)
+                n, changed, held = len(held.token_ids), True, None
             for d in out.seqs:
                 if skip or self._streamed_text:
                     d = self._drop_seen(d, skip, leg)

@@ -39,6 +39,10 @@ def add_pd_args(parser) -> None:
     g.add_argument("--local-prefill-threshold", type=int, default=128,
                    help="prompts shorter than this many tokens are prefilled by their decode "
                         "worker, skipping the KV handoff (0: always disaggregate)")
+    g.add_argument("--first-token", choices=["prefill", "decode"], default="prefill",
+                   help="prefill: stream the prefill worker's first token at once (lowest TTFT); "
+                        "decode: send it with the decode worker's first output (TTFT includes "
+                        "the KV handoff; no handoff pause inside the stream)")
     g.add_argument("--heartbeat-interval", type=float, default=1.0)
     g.add_argument("--missed-heartbeats", type=int, default=3,
                    help="a worker silent for this many intervals is dead")
@@ -69,7 +73,8 @@ def settings_from(args) -> Settings:
     return Settings(prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
                     local_prefill_threshold=args.local_prefill_threshold,
                     queue_timeout=args.queue_timeout, prefill_timeout=args.prefill_timeout,
-                    token_timeout=args.token_timeout, max_retries=args.max_retries)
+                    token_timeout=args.token_timeout, max_retries=args.max_retries,
+                    first_token=args.first_token)
 
 
 def controller_config(args):
