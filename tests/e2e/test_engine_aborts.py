@@ -22,7 +22,7 @@ import httpx
 from procs import get_json, wait_for
 from test_openai import complete, prompt_ids
 
-N_REQUESTS = int(os.environ.get("PDSERVE_ABORT_REQUESTS", "240"))
+N_REQUESTS = int(os.environ.get("PDSERVE_ABORT_REQUESTS", "400"))
 CONCURRENCY = 24
 # Prompt lengths around the 128-token block and several blocks long.
 LENGTHS = [3, 40, 127, 128, 129, 260, 520, 900, 1500]
