@@ -274,8 +274,10 @@ def test_parse_configs() -> None:
     assert cfgs[0].local_threshold is None  # the controller's default
     pure = cluster.parse_configs("1P1D@0,colocated")
     assert pure[0].name == "1P1D@0" and pure[0].local_threshold == 0
-    assert pure[1].both == 2
-    for bad in ("1P", "0P1D", "mixed", "1P1D@", "1P1D@x", "colocated@0"):
+    assert pure[1].both == 2 and not pure[0].decode_first
+    held = cluster.parse_configs("1P1D@0:decode-first")[0]
+    assert (held.name, held.local_threshold, held.decode_first) == ("1P1D@0:decode-first", 0, True)
+    for bad in ("1P", "0P1D", "mixed", "1P1D@", "1P1D@x", "colocated@0", "1P1D:decode"):
         with pytest.raises(ValueError):
             cluster.parse_configs(bad)
 

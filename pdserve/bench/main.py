@@ -31,9 +31,11 @@ def make_parser() -> argparse.ArgumentParser:
         description="Compare disaggregated (XpYd) and colocated serving on this machine. "
                     "`pdserve bench overhead --help` describes the controller-overhead benchmark.")
     p.add_argument("--configs", default="1P1D,colocated",
-                   help="XpYd and/or colocated[N], comma-separated (colocated: the same number "
-                        "of engines as the largest XpYd, each serving whole requests)")
-    p.add_argument("--rates", default="0.5,1,2", help="request rates (req/s), comma-separated")
+                   help="XpYd[@T][:decode-first] and/or colocated[N], comma-separated. @T: the "
+                        "controller's --local-prefill-threshold (@0: every prompt handed over); "
+                        ":decode-first: its --first-token decode; colocated: the same number of "
+                        "engines as the largest XpYd, each serving whole requests")
+    p.add_argument("--rates", default="1,2,4", help="request rates (req/s), comma-separated")
     p.add_argument("--workload", default="mixed", choices=["mixed", "random"],
                    help="mixed: 30%% prompts of 1500-2000 tokens with 32 out, 70%% of 90-110 "
                         "with 128 out; random: --input-len/--output-len/--range-ratio")
