@@ -36,7 +36,7 @@ def add_pd_args(parser) -> None:
     g.add_argument("--decode-policy", default="least_loaded", choices=DECODE_POLICIES)
     # 128: where a local prefill stalls the decode engine about as long as a handoff delays
     # the first token, on the bench model (docs/performance.md, scripts/measure_local_prefill.py).
-    g.add_argument("--local-prefill-threshold", type=int, default=128,
+    g.add_argument("--local-prefill-threshold", type=int, default=0,
                    help="prompts shorter than this many tokens are prefilled by their decode "
                         "worker, skipping the KV handoff (0: always disaggregate)")
     g.add_argument("--first-token", choices=["prefill", "decode"], default="prefill",
