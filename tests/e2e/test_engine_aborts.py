@@ -134,6 +134,23 @@ def tiny_request(base: str, model: str) -> None:
     r.raise_for_status()
 
 
+def settle(base: str, model: str, idle: dict[str, float], timeout: float, what: str) -> None:
+    """Wait until `settled`, making both engines step every 2 s meanwhile: an idle engine reports
+    the figures of its last step, so a block freed after it (on the prefill side, when the
+    decode's read-done notice arrives) only shows at its next one. A block that is truly held
+    is not freed by stepping: only its lease frees it, which the test checks for below."""
+    last = 0.0
+
+    def check() -> bool:
+        nonlocal last
+        if time.monotonic() - last > 2:
+            tiny_request(base, model)
+            last = time.monotonic()
+        return settled(base, idle)
+
+    wait_for(check, timeout, what)
+
+
 def settled(base: str, idle: dict[str, float] | None) -> bool:
     f = figures(base)
     if {r for r, *_ in f.values()} != {"prefill", "decode"}:
@@ -187,9 +204,8 @@ def test_random_aborts_free_every_block(pd_server, pd_client, ref_client, model_
     # kv_usage: a single leaked block shows.)
     wait_for(lambda: all(f[4] == 0 for f in figures(base).values()), 60,
              "the controller to end every leg")
-    tiny_request(base, model_dir)
     try:
-        wait_for(lambda: settled(base, idle), 20, "both engines back at their idle figures")
+        settle(base, model_dir, idle, 20, "both engines back at their idle figures")
     finally:
         after = figures(base)
         print(f"after the aborts (role, running, waiting, kv_usage, inflight): {after}")
@@ -205,8 +221,7 @@ def test_random_aborts_free_every_block(pd_server, pd_client, ref_client, model_
     # No block was held for a decode that never came: such a block is only freed when its
     # lease runs out, which vLLM logs. Wait out a whole lease after the last abort.
     time.sleep(max(0.0, ended + LEASE_S + 8 - time.monotonic()))
-    tiny_request(base, model_dir)
-    wait_for(lambda: settled(base, idle), 20, "both engines idle after a lease")
+    settle(base, model_dir, idle, 20, "both engines idle after a lease")
     expired = [ln for ln in pd_server.proc.log()[log_start:].splitlines() if EXPIRED in ln]
     print(f"prefill blocks released by lease expiry: {len(expired)}")
     assert not expired, "\n".join(expired[:10])
