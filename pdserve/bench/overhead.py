@@ -21,6 +21,7 @@ from typing import Any
 
 from pdserve.bench import cluster, metrics, procs, report, workload
 from pdserve.bench.client import ClientRun, run_client, run_measured
+from pdserve.worker.engine import parse_cores
 
 logger = logging.getLogger("pdserve.bench.overhead")
 
@@ -86,8 +87,6 @@ def part_a(args: argparse.Namespace, model: str, out: Path) -> dict[str, Any]:
     with cluster.VllmDeployment(model, out, core=args.core) as dep:
         res["vllm"] = _latency_run(dep, "vllm", model, out, args)
     pd = cluster.Config("pdserve", both=1)
-    from pdserve.worker.engine import parse_cores
-
     # The worker (and its engine) on the same core as vLLM's server; the controller runs free,
     # as it would on its own host.
     with cluster.PdDeployment(pd, model, out, keys=not args.no_keys,

@@ -34,8 +34,8 @@ def add_pd_args(parser) -> None:
                    help="folder from `pdserve keygen`: CurveZMQ-encrypt and authenticate workers")
     g.add_argument("--prefill-policy", default="least_loaded", choices=PREFILL_POLICIES)
     g.add_argument("--decode-policy", default="least_loaded", choices=DECODE_POLICIES)
-    # 128: where a local prefill stalls the decode engine about as long as a handoff delays
-    # the first token, on the bench model (docs/performance.md, scripts/measure_local_prefill.py).
+    # 0: on the mixed workload, local prefill of short prompts cost 10-17% goodput until the
+    # decode pool saturates (docs/performance.md, "The local-prefill threshold").
     g.add_argument("--local-prefill-threshold", type=int, default=0,
                    help="prompts shorter than this many tokens are prefilled by their decode "
                         "worker, skipping the KV handoff (0: always disaggregate)")

@@ -128,8 +128,8 @@ def pin(cores: str) -> None:
 
     try:
         cpus = parse_cores(cores)
-        os.sched_setaffinity(0, cpus)
-        # Threads that imports (torch, vLLM) already started keep their own mask: move them too.
+        # Every thread, including those imports (torch, vLLM) already started: a thread keeps
+        # its own mask, and new threads and child processes inherit their creator's.
         for tid in os.listdir("/proc/self/task"):
             try:
                 os.sched_setaffinity(int(tid), cpus)

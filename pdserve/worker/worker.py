@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
+from vllm.exceptions import VLLMClientError
 
 from pdserve import protocol, transport
 from pdserve.protocol import ErrorKind, Output, Phase, Role, SeqDelta, TokenLogprob
@@ -257,16 +258,9 @@ class PDWorker:
                                   error_kind=kind))
 
 
-def _refused_types() -> tuple[type[Exception], ...]:
-    try:
-        from vllm.exceptions import VLLMClientError  # e.g. an out-of-vocabulary token id
-    except ImportError:
-        return (ValueError, TypeError)
-    return (ValueError, TypeError, VLLMClientError)
-
-
-# The engine refused the request itself: any other worker would refuse it too.
-_REFUSED = _refused_types()
+# The engine refused the request itself (e.g. VLLMClientError: an out-of-vocabulary token id):
+# any other worker would refuse it too.
+_REFUSED = (ValueError, TypeError, VLLMClientError)
 
 
 def _params_for_phase(params, msg: protocol.Generate):
