@@ -31,3 +31,34 @@ class RequestFailed(GracefulHTTPError):
 
     def __init__(self, message: str):
         super().__init__(message, HTTPStatus.BAD_GATEWAY)
+
+
+class Refused(GracefulHTTPError):
+    """Admission control turned the request away; `retry_after` (s) goes out as Retry-After."""
+
+    def __init__(self, message: str, status: HTTPStatus, reason: str, retry_after: int):
+        super().__init__(f"{message}; retry after {retry_after} s", status)
+        self.reason = reason
+        self.retry_after = retry_after
+
+
+class Overloaded(Refused):
+    """The admission line is full, or would not clear in time (429)."""
+
+    def __init__(self, message: str, reason: str, retry_after: int):
+        super().__init__(message, HTTPStatus.TOO_MANY_REQUESTS, reason, retry_after)
+
+
+class QueueTimeout(Refused):
+    """A request waited the queue timeout for an admission slot (503)."""
+
+    def __init__(self, message: str, retry_after: int):
+        super().__init__(message, HTTPStatus.SERVICE_UNAVAILABLE, "queue_timeout", retry_after)
+
+
+class TooManySequences(GracefulHTTPError):
+    """A request asks for more sequences (n) than the controller ever runs at once (400)."""
+
+    def __init__(self, n: int, max_inflight: int):
+        super().__init__(f"the request asks for {n} sequences; this controller runs at most "
+                         f"{max_inflight} at once (--max-inflight)", HTTPStatus.BAD_REQUEST)

@@ -3,8 +3,9 @@
 `FakeEngine` implements the worker's `Engine` seam (pdserve/worker/engine.py) without a model:
 the next token is a hash of the last few context tokens, so greedy output depends only on the
 context. Prefill-then-decode on prompt + [t1] therefore equals one run on the prompt, and a
-migrated request (prompt + tokens so far) continues exactly where it stopped. Temperature and
-seeds are ignored: seeded, unseeded and greedy sampling all give the same tokens.
+migrated request (prompt + tokens so far) continues exactly where it stopped. Seeded sampling
+gives the greedy tokens too; unseeded random sampling (temperature > 0, no seed) draws at random,
+so two engines disagree as real ones do unless the leg names its first tokens (forced tokens).
 
 KV handoff, as NixlConnector does it: a prefill (`do_remote_decode`) that ends by length holds
 its blocks and returns `kv_transfer_params`; a decode (`do_remote_prefill`) finds the prefill
@@ -23,6 +24,7 @@ import argparse
 import asyncio
 import hashlib
 import logging
+import random
 import signal
 import struct
 import time
@@ -32,7 +34,10 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm.v1.engine.exceptions import EngineDeadError
+
 from pdserve.protocol import EngineInfo, Load, Role
+from pdserve.worker.engine import FORCED_TOKENS_ARG
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +106,9 @@ class _Sampler:
         self.eos = None if params.ignore_eos else (eos if own_eos is None else own_eos)
         self.stops = set(params.stop_token_ids or ())
         self.vocab = vocab_size
+        self.forced = list((params.extra_args or {}).get(FORCED_TOKENS_ARG) or ())
+        # Unseeded random sampling draws differently on every engine, as a real one does.
+        self.rng = random.Random() if params.temperature > 0 and params.seed is None else None
         self.out = Completion()
         self._emitted = 0  # characters of text already handed out
         self._holdback = 0 if params.include_stop_str_in_output else max(
@@ -110,8 +118,10 @@ class _Sampler:
         """Sample one token after `context`; return it and the new text (a delta)."""
         out, p = self.out, self.p
         banned = self.stops | ({self.eos} if self.eos is not None else set())
-        tok = next_token(context, self.vocab)
-        if len(out.token_ids) < (p.min_tokens or 0):
+        tok = self.rng.randrange(self.vocab) if self.rng else next_token(context, self.vocab)
+        if len(out.token_ids) < len(self.forced):  # as worker/first_token.py makes vLLM do
+            tok = self.forced[len(out.token_ids)]
+        elif len(out.token_ids) < (p.min_tokens or 0):
             while tok in banned:
                 tok = (tok + 1) % self.vocab
         out.token_ids.append(tok)
@@ -157,8 +167,8 @@ class _Hold:
     deadline: float
 
 
-class FakeEngineDead(RuntimeError):
-    pass
+class FakeEngineDead(EngineDeadError):
+    """As vLLM's: every stream and health check of a dead engine raises it."""
 
 
 class FakeEngine:

@@ -6,7 +6,7 @@ not travel. A peer speaking another version is refused with a message naming bot
 
 Channels (one DEALER per worker per controller, one ROUTER per controller):
   worker -> controller: Register, Heartbeat, Drain, Unregister, Output
-  controller -> worker: RegisterAck, Generate, Abort
+  controller -> worker: RegisterAck, Generate, Abort, Ping
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a 128k-token prompt is ~0.5 MB; anything near this is bogus
 
 
@@ -99,6 +99,9 @@ class RegisterAck(_Msg):
     # Sent in answer to a heartbeat from a worker the controller does not know (it restarted,
     # or expired the worker): register again.
     reregister: bool = False
+    # The controller declares a worker it has not heard from for this many seconds dead; the
+    # worker gives up on a controller silent for as long (0: not said).
+    dead_after: float = 0.0
 
 
 class Heartbeat(_Msg):
@@ -126,10 +129,20 @@ class Generate(_Msg):
     # of vLLM so that the codec and the control plane load fast).
     sampling_params: msgspec.Raw
     kv_transfer_params: dict[str, Any] | None = None
+    # Tokens the engine must draw first, in order (tokens the client already has: the prefill's
+    # token on a decode leg, tokens replayed after a migration); sampled as asked after them.
+    forced_tokens: list[int] | None = None
 
 
 class Abort(_Msg):
     request_ids: list[str]
+
+
+class Ping(_Msg):
+    """The controller checking that a silent worker's connection is still there (the send
+    fails if it is gone); the worker needs no answer beyond its usual heartbeats."""
+
+    controller_id: str = ""
 
 
 class TokenLogprob(_Msg):
@@ -167,6 +180,7 @@ class ErrorKind(enum.IntEnum):
     INVALID = 1  # the engine refused the request (bad parameters): retrying elsewhere won't help
     ENGINE = 2  # the engine failed or is dead: another worker may succeed
     DRAINING = 3  # the worker no longer takes requests
+    DEAD = 4  # the worker's engine died: nothing more will run there
 
 
 class MsgType(enum.IntEnum):
@@ -178,6 +192,7 @@ class MsgType(enum.IntEnum):
     GENERATE = 6
     ABORT = 7
     OUTPUT = 8
+    PING = 9
 
 
 _TYPES: dict[MsgType, type[_Msg]] = {
@@ -189,12 +204,14 @@ _TYPES: dict[MsgType, type[_Msg]] = {
     MsgType.GENERATE: Generate,
     MsgType.ABORT: Abort,
     MsgType.OUTPUT: Output,
+    MsgType.PING: Ping,
 }
 _TYPE_OF = {cls: t for t, cls in _TYPES.items()}
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODERS = {t: msgspec.msgpack.Decoder(cls) for t, cls in _TYPES.items()}
 
-Message = (Register | RegisterAck | Heartbeat | Drain | Unregister | Generate | Abort | Output)
+Message = (Register | RegisterAck | Heartbeat | Drain | Unregister | Generate | Abort | Output
+           | Ping)
 
 
 def encode(msg: _Msg) -> list[bytes]:

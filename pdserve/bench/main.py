@@ -29,7 +29,9 @@ def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pdserve bench",
         description="Compare disaggregated (XpYd) and colocated serving on this machine. "
-                    "`pdserve bench overhead --help` describes the controller-overhead benchmark.")
+                    "`pdserve bench overhead --help` describes the controller-overhead benchmark, "
+                    "`pdserve bench overload --help` the admission-control one, "
+                    "`pdserve bench soak --help` the long-run reliability one.")
     p.add_argument("--configs", default="1P1D,colocated",
                    help="XpYd[@T][:decode-first] and/or colocated[N], comma-separated. @T: the "
                         "controller's --local-prefill-threshold (@0: every prompt handed over); "
@@ -192,6 +194,14 @@ def main(argv: list[str] | None = None) -> int:
         from pdserve.bench.overhead import main as overhead_main
 
         return overhead_main(argv[1:])
+    if argv and argv[0] == "overload":
+        from pdserve.bench.overload import main as overload_main
+
+        return overload_main(argv[1:])
+    if argv and argv[0] == "soak":
+        from pdserve.bench.soak import main as soak_main
+
+        return soak_main(argv[1:])
     if argv and argv[0] == "report":
         if len(argv) != 2:
             print("usage: pdserve bench report RESULTS_DIR", file=sys.stderr)

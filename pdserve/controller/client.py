@@ -18,11 +18,13 @@ from vllm.engine.protocol import EngineClient
 from vllm.exceptions import GracefulHTTPError
 from vllm.v1.engine.exceptions import EngineDeadError
 
+from pdserve.controller.admission import Admission, Ticket
 from pdserve.controller.metrics import Metrics
 from pdserve.controller.pool import Pool
-from pdserve.controller.requests import Sequence, Settings, State, deterministic
+from pdserve.controller.requests import Sequence, Settings, State
 from pdserve.controller.router import make_policy
 from pdserve.controller.stream import Stream
+from pdserve.errors import Refused
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +45,9 @@ class PDController(EngineClient):
         self.prefill_policy = make_policy(self.settings.prefill_policy, block_size)
         self.decode_policy = make_policy(self.settings.decode_policy, block_size)
         self.metrics = metrics or Metrics()
+        self.admission = Admission(self.settings.max_inflight, self.settings.max_queued,
+                                   self.settings.queue_timeout)
+        self.metrics.watch_admission(self.admission)
         self.active: dict[str, list[Sequence]] = {}
         self._stopped = False
 
@@ -54,10 +59,17 @@ class PDController(EngineClient):
         # With local prefill on, a pool of decode workers alone can serve short prompts.
         sides = ("decode",) if self.settings.local_prefill_threshold else ("prefill", "decode")
         for side in sides:
-            if not self.pool.registry.ready(side):
+            # A suspect worker may be back in a moment: the request waits for it (queue timeout).
+            if not self.pool.registry.ready(side, suspect=True):
                 self.metrics.rejected_no_worker(side)
                 raise GracefulHTTPError(f"no {side} worker is available",
                                         HTTPStatus.SERVICE_UNAVAILABLE)
+        # Likewise a full admission queue is a real 429 (with Retry-After, see server.py).
+        try:
+            self.admission.check(n)
+        except Refused as e:
+            self.metrics.rejected(e.reason)
+            raise
 
     async def generate(self, prompt, sampling_params, request_id: str, *,
                        prompt_text: str | None = None, **kwargs: Any,
@@ -72,8 +84,10 @@ class PDController(EngineClient):
         stream = Stream(request_id, prompt_text, token_ids, params.output_kind, n,
                         want_logprobs=params.logprobs is not None)
         timeline = self.metrics.timeline(len(token_ids))
+        # Nothing from here to the `try` below awaits: a cancellation cannot skip its release.
+        ticket = await self._admit(n, timeline)
         seqs = [Sequence(self.pool, self.prefill_policy, self.decode_policy, self.settings,
-                         request_id, token_ids, deterministic(_child_params(params, i, n)), stream, i,
+                         request_id, token_ids, _child_params(params, i, n), stream, i,
                          observer=timeline)
                 for i in range(n)]
         self.active.setdefault(request_id, []).extend(seqs)
@@ -92,6 +106,7 @@ class PDController(EngineClient):
             outcome = "rejected"
             raise
         finally:
+            self.admission.release(ticket)
             for s in seqs:
                 s.abort()
             rest = [s for s in self.active.get(request_id, ()) if s not in seqs]
@@ -100,6 +115,19 @@ class PDController(EngineClient):
             else:
                 self.active.pop(request_id, None)
             timeline.finish(outcome)
+
+    async def _admit(self, n: int, timeline) -> Ticket:
+        """Slots for n sequences, waiting in line for them if need be."""
+        try:
+            return await self.admission.acquire(n)
+        except GracefulHTTPError as e:
+            if isinstance(e, Refused):
+                self.metrics.rejected(e.reason)
+            timeline.finish("rejected")
+            raise
+        except BaseException:
+            timeline.finish("aborted")  # cancelled while waiting: the client went away
+            raise
 
     async def abort(self, request_id: str | Iterable[str], **_: Any) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)

@@ -37,7 +37,7 @@ body{font-family:system-ui,sans-serif;margin:1.5rem;color:#222}
 h1{font-size:1.3rem} h2{font-size:1.05rem;margin-top:1.5rem}
 table{border-collapse:collapse;min-width:40rem} td,th{border:1px solid #ccc;padding:.25rem .6rem;text-align:right}
 th{background:#f3f3f3} td.l,th.l{text-align:left}
-.ready{color:#176d2a}.draining{color:#a86400}.dead{color:#b00020}
+.ready{color:#176d2a}.suspect{color:#c2185b}.draining{color:#a86400}.dead{color:#b00020}
 .cards span{display:inline-block;margin-right:1.2rem;padding:.4rem .7rem;background:#f3f3f3;border-radius:4px}
 .bar{display:inline-block;height:.7rem;background:#4a7bd0;vertical-align:middle}
 #err{color:#b00020}

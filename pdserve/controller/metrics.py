@@ -14,8 +14,10 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from pdserve.controller.registry import WorkerState
 
 _LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
             10.0, 20.0, 40.0, 80.0)
@@ -62,6 +64,14 @@ class Metrics:
         self.no_worker = Counter("pdserve_no_worker_rejections",
                                  "Requests refused with 503 for lack of a worker", ["role"],
                                  registry=r)
+        self.admission_rejections = Counter(
+            "pdserve_admission_rejections", "Requests refused by admission control: queue_full "
+            "and expected_wait (429), queue_timeout (503)", ["reason"], registry=r)
+        # Read from the controller's Admission at scrape time (watch_admission).
+        self.inflight = Gauge("pdserve_inflight_sequences", "Sequences running (a request with "
+                              "n > 1 counts n)", registry=r)
+        self.queued = Gauge("pdserve_queued_sequences", "Sequences waiting for an admission slot",
+                            registry=r)
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens of requests "
                                      "(counted once per request)", registry=r)
         self.generation_tokens = Counter("pdserve_generation_tokens",
@@ -76,6 +86,13 @@ class Metrics:
 
     def rejected_no_worker(self, role: str) -> None:
         self.no_worker.labels(role).inc()
+
+    def rejected(self, reason: str) -> None:
+        self.admission_rejections.labels(reason).inc()
+
+    def watch_admission(self, admission) -> None:
+        self.inflight.set_function(lambda: admission.inflight)
+        self.queued.set_function(lambda: admission.queued)
 
     def watch_pool(self, registry) -> None:
         """Export per-worker gauges from the pool registry at scrape time."""
@@ -184,10 +201,13 @@ class _PoolCollector:
                                      "This controller's request legs on the worker",
                                      labels=["worker", "role"])
         age = GaugeMetricFamily("pdserve_worker_heartbeat_age_seconds",
-                                "Seconds since the worker's last heartbeat",
-                                labels=["worker", "role"])
+                                "Seconds since the worker was last heard from (a heartbeat, an "
+                                "output or any other message)", labels=["worker", "role"])
         workers = GaugeMetricFamily("pdserve_pool_workers", "Workers by role and state",
                                     labels=["role", "state"])
+        suspicions = CounterMetricFamily(
+            "pdserve_worker_suspicions", "Suspicions of silent workers, by how they ended: "
+            "cleared (the worker spoke again: a false suspicion) or dead", labels=["outcome"])
         now = self.pool.clock()
         for w in self.pool.workers.values():
             labels = [w.id, w.role.name.lower()]
@@ -196,6 +216,10 @@ class _PoolCollector:
             kv.add_metric(labels, w.load.kv_usage)
             inflight.add_metric(labels, w.inflight)
             age.add_metric(labels, now - w.last_seen)
-        for (role, state), count in sorted(self.pool.counts().items()):
-            workers.add_metric([role, state], count)
-        yield from (running, waiting, kv, inflight, age, workers)
+        counts = self.pool.counts()
+        for role in sorted({role for role, _ in counts}):
+            for state in WorkerState:  # zeros too, so that "suspect > 0" has a series to watch
+                workers.add_metric([role, state.value], counts.get((role, state.value), 0))
+        for outcome, n in self.pool.suspicions.items():
+            suspicions.add_metric([outcome], n)
+        yield from (running, waiting, kv, inflight, age, workers, suspicions)

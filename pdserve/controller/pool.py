@@ -3,6 +3,11 @@ request leg that the worker's Output messages are delivered to.
 
 A leg is one Generate sent to one worker (a prefill, a decode, or a local run). When a worker dies,
 is expired, or cannot be reached, every leg on it gets a `WorkerLost` so no waiter hangs.
+
+A silent worker is only suspect (registry.py); each check sends it a `Ping`. The ROUTER is
+"mandatory", so a send to a peer whose connection is gone raises EHOSTUNREACH at once (tried:
+right after a SIGKILL, with and without CurveZMQ), while a stalled but living process keeps its
+connection and the send goes through: a failed probe is the clear evidence that a suspect is dead.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import zmq
 import zmq.asyncio
 
 from pdserve import protocol, transport
-from pdserve.controller.registry import Registry, Worker, WorkerState
+from pdserve.controller.registry import Registry, Worker
 from pdserve.protocol import EngineInfo
 
 logger = logging.getLogger(__name__)
@@ -54,10 +59,11 @@ class Leg:
 class Pool:
     def __init__(self, bind: str, *, expected: EngineInfo | None = None,
                  keys: transport.Keys | None = None, heartbeat_interval: float = 1.0,
-                 missed_heartbeats: int = 3, clock: Callable[[], float] = time.monotonic):
+                 missed_heartbeats: int = 3, dead_after: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic):
         self.id = f"controller-{uuid.uuid4().hex[:8]}"
         self.registry = Registry(expected, heartbeat_interval=heartbeat_interval,
-                                 missed=missed_heartbeats, clock=clock)
+                                 missed=missed_heartbeats, dead_after=dead_after, clock=clock)
         self.ctx = zmq.asyncio.Context()
         self.auth = transport.Authenticator(self.ctx, keys) if keys is not None else None
         self.sock = transport.controller_socket(self.ctx, bind, keys)
@@ -110,6 +116,10 @@ class Pool:
             leg.done = True
             leg.worker.inflight = max(0, leg.worker.inflight - 1)
             self.legs.pop(leg.id, None)
+
+    def lost(self, worker: Worker, why: str) -> None:
+        """The worker can serve nothing more: mark it dead and fail every leg on it."""
+        self._lost(worker, why)
 
     def abort(self, leg: Leg) -> None:
         """Tell the worker to drop the leg (best effort) and stop tracking it."""
@@ -196,6 +206,8 @@ class Pool:
                 logger.exception("error handling %s", type(msg).__name__)
 
     def _dispatch(self, identity: bytes, msg: protocol.Message) -> None:
+        if not isinstance(msg, protocol.Register):  # a Register starts a new entry instead
+            self._heard(identity)
         if isinstance(msg, protocol.Output):
             leg = self.legs.get(msg.request_id)
             if leg is not None and leg.worker.identity == identity:
@@ -214,8 +226,7 @@ class Pool:
                 self._reply(identity, protocol.RegisterAck(False, "unknown worker", self.id,
                                                            reregister=True))
             else:
-                self._reply(identity, protocol.RegisterAck(True, "", self.id,
-                                                           self.registry.heartbeat_interval))
+                self._reply(identity, self._accepted())
         elif isinstance(msg, protocol.Register):
             self._on_register(identity, msg)
         elif isinstance(msg, protocol.Drain):
@@ -259,10 +270,13 @@ class Pool:
         logger.info("worker %s registered: role=%s address=%s:%d model=%s%s", worker.id,
                     worker.role.name.lower(), worker.address, worker.kv_port, worker.info.model,
                     " (replaced its earlier entry)" if note else "")
-        self._reply(identity, protocol.RegisterAck(True, "", self.id,
-                                                   self.registry.heartbeat_interval))
+        self._reply(identity, self._accepted())
         self.on_worker_event("registered", worker)
         self.changed.set()
+
+    def _accepted(self) -> protocol.RegisterAck:
+        return protocol.RegisterAck(True, "", self.id, self.registry.heartbeat_interval,
+                                    dead_after=self.registry.dead_after)
 
     def _reply(self, identity: bytes, msg) -> None:
         try:
@@ -273,10 +287,42 @@ class Pool:
     async def _expiry_loop(self) -> None:
         while True:
             await asyncio.sleep(self.registry.heartbeat_interval / 2)
-            for w in self.registry.expire():
-                self._lost(w, f"no heartbeat for {self.registry.missed} intervals")
+            self.check_workers()
             if self._unreleased:
                 self._retry_releases()
-            for w in self.registry.workers.values():
-                if w.state == WorkerState.DEAD:
-                    continue
+
+    # ---- failure detection -----------------------------------------------------------------
+
+    def check_workers(self) -> None:
+        """Suspect the silent, probe them, and fail the legs of the dead (run every half beat)."""
+        found = self.registry.expire()
+        for w in found.suspected:
+            logger.warning("worker %s (%s) is suspect: not heard from for %.1f s; no new work "
+                           "until it is, its %d legs keep running", w.id, w.role.name.lower(),
+                           self.registry.clock() - w.last_seen, w.inflight)
+            self.on_worker_event("suspect", w)
+            self.changed.set()
+        for w in found.dead:
+            self._lost(w, f"not heard from for {self.registry.dead_after:g} s")
+        for w in found.probe:
+            self._probe(w)
+
+    def _probe(self, worker: Worker) -> None:
+        try:
+            transport.send_nowait(self.sock, protocol.Ping(self.id), to=worker.identity)
+        except zmq.ZMQError as e:
+            if e.errno == zmq.EHOSTUNREACH:
+                self._lost(worker, "silent, and its connection is gone")
+            # Else its queue is full: connected but not reading, so alive, only slow.
+
+    def _heard(self, identity: bytes) -> None:
+        """Any message from a worker shows it alive (identity is the worker id, see _from)."""
+        w = self.registry.workers.get(identity.decode(errors="replace"))
+        if w is None or w.identity != identity:
+            return
+        silent = self.registry.clock() - w.last_seen
+        if self.registry.heard(w.id):
+            logger.info("worker %s spoke after %.1f s of silence: no longer suspect", w.id,
+                        silent)
+            self.on_worker_event("cleared", w)
+            self.changed.set()

@@ -1,9 +1,23 @@
 """Pool membership, kept by each controller: pure logic with an injectable clock.
 
-A worker's life in the registry: register -> ready -> (draining) -> gone on unregister, or dead
-after `missed` heartbeat intervals without a word. Dead entries stay visible for `forget_after`
-seconds so that people can see what happened, then are dropped. A worker id that registers again
-replaces its entry (a restarted worker, or one whose controller forgot it).
+A worker's life in the registry: register -> ready -> (draining) -> gone on unregister. Silence
+alone is suspicion, not a verdict: a worker on an overcommitted CPU can be alive and busy and
+still late with its heartbeats.
+
+- Any message from a worker (heartbeat, an Output of one of its legs, drain) is hearing from it.
+- Silent for `missed` heartbeat intervals: `suspect`. It gets no new work, but its legs keep
+  running, and the pool probes its connection (`Expiry.probe`). Heard from again: `ready`, and
+  the suspicion is counted as cleared (a false one). A silent draining worker stays `draining`
+  (it gets no new work anyway) and is probed the same way.
+- `dead` only on clear evidence: its connection is gone (a probe or a send fails: the pool calls
+  `mark_dead`), or it was silent for `dead_after` seconds (a hung process, or a host that went
+  away without closing its connections). Only then are its legs failed. An unregistered worker is
+  gone at once.
+
+A check that runs late means this controller itself was stalled: messages from that time may be
+waiting unread, so the stall is not counted as the workers' silence. Dead entries stay visible
+for `forget_after` seconds so that people can see what happened, then are dropped. A worker id
+that registers again replaces its entry (a restarted worker, or one whose controller forgot it).
 """
 
 from __future__ import annotations
@@ -12,12 +26,14 @@ import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from pdserve.protocol import EngineInfo, Load, Register, Role
 
 
 class WorkerState(str, enum.Enum):
     READY = "ready"
+    SUSPECT = "suspect"  # silent for `missed` intervals: no new work, its legs keep running
     DRAINING = "draining"
     DEAD = "dead"
 
@@ -54,7 +70,7 @@ class Worker:
             "kv_port": self.kv_port,
             "model": self.info.model,
             "block_size": self.info.block_size,
-            "heartbeat_age_s": round(now - self.last_seen, 3),
+            "heartbeat_age_s": round(now - self.last_seen, 3),  # since any message
             "running": self.load.running,
             "waiting": self.load.waiting,
             "kv_usage": round(self.load.kv_usage, 4),
@@ -64,16 +80,28 @@ class Worker:
         }
 
 
+class Expiry(NamedTuple):
+    """What one check found."""
+
+    suspected: list[Worker]  # newly suspect
+    dead: list[Worker]  # newly dead: silent for dead_after
+    probe: list[Worker]  # silent (suspect or draining): check that their connection is there
+
+
 class Registry:
     def __init__(self, expected: EngineInfo | None = None, *, heartbeat_interval: float = 1.0,
-                 missed: int = 3, forget_after: float = 60.0,
+                 missed: int = 3, dead_after: float = 30.0, forget_after: float = 60.0,
                  clock: Callable[[], float] = time.monotonic):
         self.expected = expected
         self.heartbeat_interval = heartbeat_interval
         self.missed = missed
+        self.dead_after = dead_after
         self.forget_after = forget_after
         self.clock = clock
         self.workers: dict[str, Worker] = {}
+        # How suspicions ended: "cleared" (the worker spoke again: a false suspicion) or "dead".
+        self.suspicions = {"cleared": 0, "dead": 0}
+        self._checked: float | None = None  # when expire() last ran
 
     def register(self, msg: Register, identity: bytes) -> tuple[Worker | None, str]:
         """Admit a worker, or refuse it with a reason that names the mismatch."""
@@ -90,11 +118,23 @@ class Registry:
         self.workers[msg.worker_id] = worker
         return worker, "replaced" if old is not None else ""
 
+    def heard(self, worker_id: str) -> bool:
+        """The worker sent something, so it is alive. True if that cleared a suspicion."""
+        w = self.workers.get(worker_id)
+        if w is None or w.state == WorkerState.DEAD:
+            return False  # a verdict stands: the worker must register again
+        w.last_seen = self.clock()
+        if w.state != WorkerState.SUSPECT:
+            return False
+        w.state = WorkerState.READY
+        self.suspicions["cleared"] += 1
+        return True
+
     def heartbeat(self, worker_id: str, load: Load, draining: bool) -> Worker | None:
         w = self.workers.get(worker_id)
         if w is None or w.state == WorkerState.DEAD:
             return None
-        w.last_seen = self.clock()
+        self.heard(worker_id)
         w.load = load
         if draining:
             w.state = WorkerState.DRAINING
@@ -102,9 +142,9 @@ class Registry:
 
     def drain(self, worker_id: str) -> Worker | None:
         w = self.workers.get(worker_id)
+        self.heard(worker_id)
         if w is not None and w.state == WorkerState.READY:
             w.state = WorkerState.DRAINING
-            w.last_seen = self.clock()
         return w
 
     def unregister(self, worker_id: str) -> Worker | None:
@@ -113,23 +153,36 @@ class Registry:
     def mark_dead(self, worker_id: str) -> Worker | None:
         w = self.workers.get(worker_id)
         if w is not None and w.state != WorkerState.DEAD:
+            if w.state == WorkerState.SUSPECT:
+                self.suspicions["dead"] += 1
             w.state = WorkerState.DEAD
             return w
         return None
 
-    def expire(self) -> list[Worker]:
-        """Mark silent workers dead, forget long-dead ones; return the newly dead."""
+    def expire(self) -> Expiry:
+        """Suspect silent workers, declare long-silent ones dead, forget long-dead ones."""
         now = self.clock()
-        deadline = self.missed * self.heartbeat_interval
-        newly_dead = []
+        # One check per half interval is the pool's pace; a longer gap is this controller's
+        # own stall, not the workers' silence.
+        stall = 0.0 if self._checked is None else max(
+            0.0, now - self._checked - self.heartbeat_interval)
+        self._checked = now
+        suspect_after = self.missed * self.heartbeat_interval + stall
+        found = Expiry([], [], [])
         for w in list(self.workers.values()):
             silent = now - w.last_seen
-            if w.state != WorkerState.DEAD and silent > deadline:
-                w.state = WorkerState.DEAD
-                newly_dead.append(w)
-            elif w.state == WorkerState.DEAD and silent > self.forget_after:
-                del self.workers[w.id]
-        return newly_dead
+            if w.state == WorkerState.DEAD:
+                if silent > self.forget_after:
+                    del self.workers[w.id]
+            elif silent > self.dead_after + stall:
+                self.mark_dead(w.id)
+                found.dead.append(w)
+            elif silent > suspect_after:
+                if w.state == WorkerState.READY:
+                    w.state = WorkerState.SUSPECT
+                    found.suspected.append(w)
+                found.probe.append(w)
+        return found
 
     def by_identity(self, identity: bytes) -> Worker | None:
         for w in self.workers.values():
@@ -137,10 +190,11 @@ class Registry:
                 return w
         return None
 
-    def ready(self, side: str) -> list[Worker]:
-        """Workers that may be given new work on one side ("prefill" or "decode")."""
-        return [w for w in self.workers.values()
-                if w.state == WorkerState.READY and w.serves(side)]
+    def ready(self, side: str, suspect: bool = False) -> list[Worker]:
+        """Workers that may be given new work on one side ("prefill" or "decode"); with
+        `suspect`, also those that may be again once heard from."""
+        states = (WorkerState.READY, WorkerState.SUSPECT) if suspect else (WorkerState.READY,)
+        return [w for w in self.workers.values() if w.state in states and w.serves(side)]
 
     def counts(self) -> dict[tuple[str, str], int]:
         out: dict[tuple[str, str], int] = {}

@@ -9,14 +9,15 @@ exactly once. An abort at any point frees the request on every worker that holds
 prefill-side blocks that no decode will read.
 
 First token: the prefill worker samples the request's first token; it is streamed at once (or,
-with `first_token="decode"`, together with the decode worker's first output). The
-decode worker is given the same context (never context + that token: a context ending on a block
-boundary would then need one more block than the prefill worker holds, which vLLM's NIXL reader
-asserts against), recomputes the last position from the transferred KV and samples the first token
-again. Sampling is made deterministic for a given context (greedy, or seeded: the controller seeds
-unseeded requests itself), so both workers draw the same token; the decode worker's copy is checked
-and dropped. Seeded sampling therefore gives exactly what one engine gives. Should the two ever
-differ (near-ties in floating point), the request migrates from the token the client has seen.
+with `first_token="decode"`, together with the decode worker's first output). The decode worker
+is given the same context (never context + that token: a context ending on a block boundary
+would then need one more block than the prefill worker holds, which vLLM's NIXL reader asserts
+against), recomputes the last position from the transferred KV and draws that position again,
+forced to the streamed token (`Generate.forced_tokens`, worker/first_token.py); its copy is
+dropped. Nothing is seeded by pdserve: a per-request generator kills a CPU engine when a chunked
+prefill's sample is discarded (vLLM 0.32). A request with its own seed is the exception: its
+prefill only computes the KV, and the decode worker draws the first token with the request's
+generator, so seeded output equals one engine's (TTFT then includes the handoff).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import random
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -55,6 +55,17 @@ class State(str, enum.Enum):
 
 
 @dataclass
+class _Plan:
+    """What one attempt of a sequence must do."""
+
+    ctx: list[int]  # prompt + the tokens whose text the client has
+    replay: list[int]  # tokens the client has without their text: drawn again (forced)
+    left: int  # tokens still to produce, replayed ones included
+    min_left: int
+    want_plp: bool  # prompt logprobs (first attempt only)
+
+
+@dataclass
 class Settings:
     prefill_policy: str = "least_loaded"
     decode_policy: str = "least_loaded"
@@ -67,6 +78,10 @@ class Settings:
     # decode worker's first token arrives (TTFT includes the handoff; no handoff gap in the
     # stream, so inter-token latency is the decode engine's alone).
     first_token: str = "prefill"
+    # Admission (admission.py): sequences running at once, and waiting (up to queue_timeout)
+    # for one of those slots; beyond that a request is refused with 429.
+    max_inflight: int = 512
+    max_queued: int = 1024
 
 
 class WorkerFailed(Exception):
@@ -80,17 +95,21 @@ class _Aborted(Exception):
 _ABORTED = object()  # put on a leg's queue to wake its reader when the sequence is aborted
 
 
-def deterministic(params):
-    """Params whose sampling depends only on the context: unseeded random sampling gets a seed.
+def own_draw(params) -> bool:
+    """A seeded random request: its first token must come from its own generator, which only
+    the decode worker may hold (see the module docstring)."""
+    return params.seed is not None and params.temperature > 0
 
-    With it, a prefill worker and a decode worker sampling the same position draw the same token,
-    and a retried prefill draws what the first one drew.
-    """
-    if params.temperature == 0 or params.seed is not None:
-        return params
-    p = params.clone()
-    p.seed = random.getrandbits(31)
-    return p
+
+def kv_only_params(params, *, prompt_logprobs: bool) -> bytes:
+    """A prefill whose token is not used: greedy, and always ended by length, so that the
+    engine keeps the prompt's blocks for the decode worker (vLLM frees them on a stop)."""
+    from vllm import SamplingParams
+
+    p = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
+                       prompt_logprobs=params.prompt_logprobs if prompt_logprobs else None,
+                       skip_special_tokens=params.skip_special_tokens)
+    return msgspec.msgpack.encode(p)
 
 
 def leg_params(params, *, max_tokens: int, min_tokens: int, prompt_logprobs: bool) -> bytes:
@@ -221,86 +240,115 @@ class Sequence:
                 pass
 
     async def _attempt(self) -> AsyncIterator[None]:
+        a = self._plan()
+        self.obs.queued()
+        steps = self._local(a) if self._goes_local(a) else self._disaggregated(a)
+        async for _ in steps:
+            yield
+
+    def _plan(self) -> _Plan:
         done = self.stream.tokens(self.index)
         # Tokens the client has without their text yet (held back by the detokenizer: part of a
         # UTF-8 character, or of a possible stop string) are drawn again, not put in the
         # context: their text would be lost, and a context ending inside a character makes
         # vLLM's detokenizer send the whole context as text (vllm-project/vllm#48853).
         keep = min(self._text_upto, len(done))
-        ctx, replay = self.prompt + done[:keep], list(done[keep:])
-        left = self.params.max_tokens - keep
-        min_left = max(0, (self.params.min_tokens or 0) - keep)
         first_attempt = not done and self.failures == 0
         self._streamed_text = ""
-        want_plp = bool(self.params.prompt_logprobs) and first_attempt
-        self.obs.queued()
+        return _Plan(ctx=self.prompt + done[:keep], replay=list(done[keep:]),
+                     left=self.params.max_tokens - keep,
+                     min_left=max(0, (self.params.min_tokens or 0) - keep),
+                     want_plp=bool(self.params.prompt_logprobs) and first_attempt)
 
-        if len(ctx) < self.s.local_prefill_threshold:
-            self.state = State.LOCAL
-            d = await self._choose("decode", self.decode_policy, ctx)
-            self.obs.local(d.id)
-            logger.info("request %s: %d-token prompt prefilled locally on %s", self.request_id,
-                        len(ctx), d.id)
-            leg = self._send(d, Phase.LOCAL, ctx, leg_params(
-                self.params, max_tokens=left, min_tokens=min_left, prompt_logprobs=want_plp))
-            async for _ in self._relay(leg, "local prefill", first_timeout=self.s.prefill_timeout,
-                                       skip=replay):
-                yield
-            return
+    def _goes_local(self, a: _Plan) -> bool:
+        # A seeded request's local prefill may be chunked, which kills a CPU engine (module
+        # docstring): it is disaggregated whenever a prefill worker can take it.
+        return len(a.ctx) < self.s.local_prefill_threshold and not (
+            own_draw(self.params) and self.pool.registry.ready("prefill"))
 
-        # Prefill: its token is streamed at once (see the module docstring).
+    async def _local(self, a: _Plan) -> AsyncIterator[None]:
+        self.state = State.LOCAL
+        d = await self._choose("decode", self.decode_policy, a.ctx)
+        self.obs.local(d.id)
+        logger.info("request %s: %d-token prompt prefilled locally on %s", self.request_id,
+                    len(a.ctx), d.id)
+        leg = self._send(d, Phase.LOCAL, a.ctx, leg_params(
+            self.params, max_tokens=a.left, min_tokens=a.min_left, prompt_logprobs=a.want_plp),
+            forced=a.replay)
+        async for _ in self._relay(leg, "local prefill", first_timeout=self.s.prefill_timeout,
+                                   skip=a.replay):
+            yield
+
+    async def _disaggregated(self, a: _Plan) -> AsyncIterator[None]:
+        """Prefill, stream (or hold) its token, hand the KV to a decode worker, relay it."""
         self.state = State.PREFILL
         await self._ready("decode")  # else the prefill's blocks would wait for no one
-        p = await self._choose("prefill", self.prefill_policy, ctx)
+        p = await self._choose("prefill", self.prefill_policy, a.ctx)
+        first, kv, leg = await self._prefill(p, a)
+        held, forced = None, list(a.replay)
+        if first is not None:  # the prefill drew the first token
+            ends_here = first.finish_reason is not None and (first.finish_reason != "length"
+                                                             or a.left <= 1)
+            if not ends_here:
+                first.finish_reason = first.stop_reason = None
+            forced = list(first.token_ids) + a.replay[len(first.token_ids):]
+            if a.replay:
+                first = self._drop_seen(first, list(a.replay), leg)  # keep its text only
+            if ends_here or self.s.first_token != "decode":
+                self._add(first)
+                self.obs.tokens(len(first.token_ids))
+                yield
+                self._check_aborted()
+            else:
+                held = first  # goes out with the decode worker's first output
+            if ends_here:
+                self._release_pending()
+                return
+            self._streamed_text = first.text
+        if kv is None:
+            raise WorkerFailed(f"prefill worker {p.id} returned no KV-transfer parameters")
+        async for _ in self._handoff(a, kv, forced, held):
+            yield
+
+    async def _prefill(self, p: Worker, a: _Plan,
+                       ) -> tuple[SeqDelta | None, dict | None, Leg]:
+        """The prompt's KV on `p`; returns the token it drew (None when the decode worker draws
+        the first token itself), the KV-transfer parameters naming the blocks, and the leg."""
         self.obs.prefill_started(p.id)
-        leg = self._send(p, Phase.PREFILL, ctx, leg_params(
-            self.params, max_tokens=1, min_tokens=min(1, min_left), prompt_logprobs=want_plp))
+        if own_draw(self.params):
+            params, forced = kv_only_params(self.params, prompt_logprobs=a.want_plp), []
+        else:
+            params, forced = leg_params(self.params, max_tokens=1, min_tokens=min(1, a.min_left),
+                                        prompt_logprobs=a.want_plp), a.replay[:1]
+        leg = self._send(p, Phase.PREFILL, a.ctx, params, forced=forced)
         outs = [o async for o in self._outputs(leg, "prefill", self.s.prefill_timeout,
                                                self.s.prefill_timeout)]
         kv = outs[-1].kv_transfer_params
-        if want_plp:
+        if a.want_plp:
             self.stream.set_prompt_logprobs(next((o.prompt_logprobs for o in outs
                                                   if o.prompt_logprobs is not None), None))
-        first = _merge([d for o in outs for d in o.seqs])
-        self.obs.prefill_done(len(ctx))
+        self.obs.prefill_done(len(a.ctx))
         if kv is not None:
             self.pending_kv = (kv, p)
             self._check_kv(kv, p)
-        ends_here = first.finish_reason is not None and (first.finish_reason != "length"
-                                                         or left <= 1)
-        if not ends_here:
-            first.finish_reason = first.stop_reason = None
-        first_ids = list(first.token_ids)
-        if replay:
-            first = self._drop_seen(first, replay, leg)  # the client has it: keep its text only
-        held = None
-        if ends_here or self.s.first_token != "decode":
-            self._add(first)
-            self.obs.tokens(len(first.token_ids))
-            yield
-            self._check_aborted()
-        else:
-            held = first  # goes out with the decode worker's first output
-        if ends_here:
-            self._release_pending()
-            return
-        if kv is None:
-            raise WorkerFailed(f"prefill worker {p.id} returned no KV-transfer parameters")
+        first = None if own_draw(self.params) else _merge([d for o in outs for d in o.seqs])
+        return first, kv, leg
 
-        # Handoff and decode: the decode worker redraws the first token, which is dropped.
+    async def _handoff(self, a: _Plan, kv: dict, forced: list[int],
+                       held: SeqDelta | None) -> AsyncIterator[None]:
+        """A decode worker pulls the KV, redraws `forced` (dropped here) and decodes on."""
         self.state = State.HANDOFF
-        d = await self._choose("decode", self.decode_policy, ctx)
+        d = await self._choose("decode", self.decode_policy, a.ctx)
         # Without the prefill's own cache-hit count, vLLM reports on the decode side what it
         # did not compute: the tokens whose KV it received (plus its own prefix-cache hits).
         handoff = {k: v for k, v in kv.items() if k != "remote_prefill_cached_tokens"}
-        leg = self._send(d, Phase.DECODE, ctx, leg_params(
-            self.params, max_tokens=left, min_tokens=min_left, prompt_logprobs=False),
-            kv_transfer_params=handoff)
+        leg = self._send(d, Phase.DECODE, a.ctx, leg_params(
+            self.params, max_tokens=a.left, min_tokens=a.min_left, prompt_logprobs=False),
+            kv_transfer_params=handoff, forced=forced)
         self.pending_kv = None  # the decode worker now owns the handoff
-        self._streamed_text = first.text
         try:
             async for _ in self._relay(leg, "KV handoff", first_timeout=self.s.token_timeout,
-                                       skip=first_ids + replay, held=held):
+                                       skip=forced, held=held):
                 yield
         except (WorkerLost, WorkerFailed, StepTimeout):
             if not leg.outputs:  # it failed before pulling the KV (a dead engine): free it
@@ -310,16 +358,16 @@ class Sequence:
     # ---- helpers ---------------------------------------------------------------------------
 
     def _send(self, worker: Worker, phase: Phase, tokens: list[int], params: bytes,
-              kv_transfer_params: dict | None = None) -> Leg:
+              kv_transfer_params: dict | None = None, forced: list[int] | None = None) -> Leg:
         msg = protocol.Generate(self._leg_id(phase.name.lower()[0]), phase, tokens,
-                                msgspec.Raw(params), kv_transfer_params)
+                                msgspec.Raw(params), kv_transfer_params, forced or None)
         leg = self.pool.send(worker, msg)
         self.legs.append(leg)
         return leg
 
     async def _outputs(self, leg: Leg, step: str, first_timeout: float,
                        gap_timeout: float) -> AsyncIterator[protocol.Output]:
-        timeout = first_timeout
+        timeout, reason = first_timeout, None
         try:
             while True:
                 try:
@@ -334,12 +382,18 @@ class Sequence:
                 if item.error is not None:
                     if item.error_kind == ErrorKind.INVALID:
                         raise ValueError(item.error)
+                    if item.error_kind == ErrorKind.DEAD:  # nothing more runs there
+                        self.pool.lost(leg.worker, f"its engine died ({item.error})")
                     raise WorkerFailed(f"worker {leg.worker.id}: {item.error}")
-                if any(d.finish_reason == "error" for d in item.seqs):
-                    # The engine gave up on the leg (e.g. a decode engine whose KV pull failed
-                    # because the prefill worker died): another worker may succeed.
+                reason = next((d.finish_reason for d in item.seqs if d.finish_reason), reason)
+                if reason in ("error", "abort"):
+                    # The engine gave up on the leg (a decode engine whose KV pull failed, an
+                    # engine shutting down): never a whole answer; another worker may succeed.
                     raise WorkerFailed(f"worker {leg.worker.id}: the engine ended {leg.id} "
-                                       "with an error")
+                                       f"with finish reason {reason!r}")
+                if item.finished and reason is None:
+                    raise WorkerFailed(f"worker {leg.worker.id}: {leg.id} finished without a "
+                                       "finish reason")
                 yield item
                 if item.finished:
                     return

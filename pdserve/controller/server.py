@@ -15,11 +15,13 @@ import msgspec
 from fastapi.responses import HTMLResponse, JSONResponse
 
 from pdserve import transport
+from pdserve.controller.admission import limits
 from pdserve.controller.client import PDController
 from pdserve.controller.metrics import Metrics
 from pdserve.controller.pool import Pool
 from pdserve.controller.requests import Settings
 from pdserve.controller.router import DECODE_POLICIES, PREFILL_POLICIES
+from pdserve.errors import Refused
 
 logger = logging.getLogger("pdserve.controller")
 
@@ -45,9 +47,31 @@ def add_pd_args(parser) -> None:
                         "the KV handoff; no handoff pause inside the stream)")
     g.add_argument("--heartbeat-interval", type=float, default=1.0)
     g.add_argument("--missed-heartbeats", type=int, default=3,
-                   help="a worker silent for this many intervals is dead")
+                   help="a worker silent for this many intervals is suspect: it gets no new "
+                        "requests, its running ones go on; it is dead at once if its connection "
+                        "is gone")
+    # Long: a worker on overcommitted cores can be alive and busy yet silent for seconds, and a
+    # dead verdict fails its requests over (docs/architecture.md, "A worker dies").
+    g.add_argument("--dead-after", type=float, default=30.0,
+                   help="seconds of silence after which a worker whose connection is still up "
+                        "is dead (a hung process, or a host gone without closing it); workers "
+                        "give up on a controller silent for as long")
     g.add_argument("--queue-timeout", type=float, default=10.0,
-                   help="seconds a request waits for a worker of a needed role")
+                   help="seconds a request waits for an admission slot, and for a worker of a "
+                        "needed role")
+    # Bounded by default: the controller's memory must not grow with the offered load.
+    g.add_argument("--max-inflight", type=int, default=512,
+                   help="sequences running at once (a request with n > 1 counts n); more wait "
+                        "in line. 512: a few decode engines at vLLM's default --max-num-seqs "
+                        "(128 to 1024 by device); for a bigger pool, about the decode engines' "
+                        "--max-num-seqs summed")
+    g.add_argument("--max-queued", type=int, default=1024,
+                   help="sequences waiting in line (FIFO, each up to --queue-timeout) for a "
+                        "slot; when the line is full, or would not clear within half of "
+                        "--queue-timeout, a request is refused at once with 429 and "
+                        "Retry-After. 0: no line. With --max-inflight this bounds the "
+                        "controller's memory at any load. vLLM's --max-num-queued-reqs, if "
+                        "set, caps running + waiting as well")
     g.add_argument("--prefill-timeout", type=float, default=300.0)
     g.add_argument("--token-timeout", type=float, default=60.0,
                    help="seconds allowed for the KV handoff + first decode token, and between "
@@ -70,11 +94,14 @@ def make_parser():
 
 
 def settings_from(args) -> Settings:
+    max_inflight, max_queued = limits(args.max_inflight, args.max_queued,
+                                      getattr(args, "max_num_queued_reqs", None))
     return Settings(prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
                     local_prefill_threshold=args.local_prefill_threshold,
                     queue_timeout=args.queue_timeout, prefill_timeout=args.prefill_timeout,
                     token_timeout=args.token_timeout, max_retries=args.max_retries,
-                    first_token=args.first_token)
+                    first_token=args.first_token, max_inflight=max_inflight,
+                    max_queued=max_queued)
 
 
 def controller_config(args):
@@ -110,6 +137,26 @@ def add_routes(app, controller: PDController, metrics: Metrics) -> None:
     async def pd_dashboard():
         return HTMLResponse(DASHBOARD_HTML)
 
+    add_retry_after(app)
+
+
+def add_retry_after(app) -> None:
+    """Admission refusals (429, 503) as vLLM's error body, plus the Retry-After header that
+    vLLM's own error response has no room for."""
+    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+
+    # More specific than vLLM's VLLMError handler, so Starlette picks this one.
+    @app.exception_handler(Refused)
+    async def refused(request, exc: Refused):
+        err = create_error_response(exc)
+        return JSONResponse(err.model_dump(), status_code=err.error.code,
+                            headers={"Retry-After": str(exc.retry_after)})
+
+    # Starlette copies the handlers when it builds the middleware stack, and build_app has
+    # built it already (its SageMaker bootstrap does): build it again, as that bootstrap does.
+    if app.middleware_stack is not None:
+        app.middleware_stack = app.build_middleware_stack()
+
 
 async def serve(args: argparse.Namespace) -> None:
     import prometheus_client
@@ -123,7 +170,7 @@ async def serve(args: argparse.Namespace) -> None:
     worker_host = args.worker_host or args.host or "0.0.0.0"
     pool = Pool(f"tcp://{worker_host}:{args.worker_port}", expected=expected_info(vllm_config),
                 keys=keys, heartbeat_interval=args.heartbeat_interval,
-                missed_heartbeats=args.missed_heartbeats)
+                missed_heartbeats=args.missed_heartbeats, dead_after=args.dead_after)
     metrics = Metrics()
     metrics.watch_pool(pool.registry)
     registry = get_prometheus_registry()
@@ -176,6 +223,10 @@ def main(argv: list[str] | None = None) -> None:
 
         args.model = str(ensure_model("tiny"))
     validate_parsed_serve_args(args)
+    try:
+        settings_from(args)
+    except ValueError as e:
+        parser.error(str(e))
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         asyncio.run(serve(args))

@@ -17,6 +17,10 @@ from pdserve.protocol import EngineInfo, Load, Role
 KV_ROLES = {Role.PREFILL: "kv_producer", Role.DECODE: "kv_consumer", Role.BOTH: "kv_both"}
 CPU_CONNECTOR = "PDCpuNixlConnector"
 CPU_CONNECTOR_MODULE = "pdserve.kv.cpu_nixl"
+# SamplingParams.extra_args key naming the tokens a leg must draw first (worker/first_token.py)
+FORCED_TOKENS_ARG = "pdserve_forced_tokens"
+FORCED_TOKENS_PROCESSOR = "pdserve.worker.first_token:ForcedTokensProcessor"
+ENGINE_OWN_GROUP_ENV = "PDSERVE_ENGINE_OWN_GROUP"  # read by worker/engine_proc.py
 
 
 class Engine(Protocol):
@@ -73,6 +77,7 @@ def engine_env(s: EngineSettings, cpu: bool) -> dict[str, str]:
     env = {
         "VLLM_NIXL_SIDE_CHANNEL_HOST": s.advertise_host,
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(s.kv_port),
+        ENGINE_OWN_GROUP_ENV: "1",  # group signals stop the worker, not its engine
     }
     # UCX picks its transport and interface itself unless told; over loopback only TCP works.
     if "UCX_TLS" not in os.environ and cpu:
@@ -113,6 +118,8 @@ def configure(args, s: EngineSettings, cpu: bool):
     args.kv_transfer_config = kv_transfer_config(s.role, cpu)
     args.dtype = resolve_dtype(args.dtype, cpu)
     args.enable_prefix_caching = True
+    if FORCED_TOKENS_PROCESSOR not in (args.logits_processors or []):
+        args.logits_processors = [*(args.logits_processors or []), FORCED_TOKENS_PROCESSOR]
     args.disable_log_stats = False  # the stats feed the worker's heartbeat load
     return args
 

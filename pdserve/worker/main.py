@@ -1,8 +1,12 @@
 """`pdserve worker`: build the engine for a role, register with the controller(s), serve.
 
-SIGTERM drains (finish in-flight requests, unregister, exit); SIGINT stops at once. The engine's
-own child processes are in this process's group, so whoever stops a worker should signal the
-group (the launcher and the tests do).
+SIGTERM or SIGINT drains (finish in-flight requests, unregister, exit), also when the whole process
+group gets it (Ctrl-C in a terminal, systemd's default stop): the engine's processes keep to a
+group of their own (worker/engine_proc.py) and stop when the worker stops them. A second signal
+stops at once; the controller then moves the streams in flight to other workers.
+
+Exit codes: 0 stopped or drained; 3 refused by every controller (wrong model or settings: a
+restart would be refused again); 4 the engine died (restart the worker).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from urllib.parse import urlparse
 
 from pdserve import transport
 from pdserve.protocol import Role
+from pdserve.worker import cores as claims  # `cores` names the --cores lists here
 
 logger = logging.getLogger("pdserve.worker")
 
@@ -38,7 +43,9 @@ def make_parser():
                    help="NIXL side-channel port (default: a free port)")
     g.add_argument("--cores", default=None,
                    help="CPU cores for this worker and its engine (CPU hosts), e.g. 0, 0-3 or "
-                        "0,2-3; the engine binds one compute thread per core")
+                        "0,2-3; the engine binds one compute thread per core (default on CPU "
+                        "hosts: a core no other pdserve worker here holds, else the "
+                        "least-claimed one, shared)")
     g.add_argument("--kv-cache-gib", type=int, default=1, help="KV cache size on CPU hosts")
     g.add_argument("--keys", default=None, help="folder from `pdserve keygen` (CurveZMQ)")
     g.add_argument("--health-port", type=int, default=0,
@@ -103,9 +110,7 @@ async def run(args) -> int:
     worker = PDWorker(engine, role, args.controller, worker_id=args.worker_id, address=host,
                       kv_port=kv_port, keys=keys, heartbeat_interval=args.heartbeat_interval,
                       drain_timeout=args.drain_timeout)
-    loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, lambda: asyncio.ensure_future(worker.drain()))
-    loop.add_signal_handler(signal.SIGINT, worker.stop)
+    _stop_on_signals(worker)
     health = await _health_server(args.health_port, worker) if args.health_port else None
     logger.info("worker %s (%s) up: KV side channel %s:%d, controllers %s", worker.worker_id,
                 args.role, host, kv_port, ", ".join(args.controller))
@@ -115,8 +120,34 @@ async def run(args) -> int:
         if health is not None:
             health.close()
         engine.shutdown()
+    if worker.engine_dead:
+        return EXIT_ENGINE_DEAD
     refused = [lk.refused for lk in worker.links if lk.refused]
-    return 3 if refused and len(refused) == len(worker.links) else 0
+    return EXIT_REFUSED if refused and len(refused) == len(worker.links) else 0
+
+
+EXIT_REFUSED = 3
+EXIT_ENGINE_DEAD = 4
+
+
+def _stop_on_signals(worker) -> None:
+    """SIGTERM or SIGINT drains; a second one stops at once."""
+    signals = []
+
+    def on_signal(signum: int) -> None:
+        signals.append(signum)
+        if len(signals) == 1:
+            logger.info("%s: draining (send it again to stop at once)",
+                        signal.Signals(signum).name)
+            asyncio.ensure_future(worker.drain())
+        else:
+            logger.warning("%s again: stopping now; the controller moves the streams in flight",
+                           signal.Signals(signum).name)
+            worker.stop()
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
 
 
 def pin(cores: str) -> None:
@@ -139,8 +170,54 @@ def pin(cores: str) -> None:
         raise SystemExit(f"pdserve worker: --cores {cores}: {e}") from None
 
 
+def claim_cores(given: str | None) -> claims.Claim | None:
+    """On a CPU host, this worker's claim on its cores (see pdserve.worker.cores): the --cores
+    given, recorded so that workers claiming by themselves keep off them; else one core no
+    other pdserve worker on this host holds or, when none is free, the least-claimed one,
+    shared (its engine then binds one compute thread: engines bound to all cores beside other
+    engines were seen to hang for minutes after loading their weights). None on other hosts."""
+    from pdserve.worker.engine import is_cpu_host, parse_cores
+
+    if not is_cpu_host():  # cheap here: make_parser() has imported vLLM already
+        return None
+    if given is not None:
+        try:
+            held = claims.hold(parse_cores(given))
+        except ValueError:
+            return None  # pin() says what is wrong with the list
+        except OSError as e:
+            logger.warning("cannot record --cores %s in %s: %s; workers started without --cores "
+                           "may take them too", given, claims.lock_dir(), e)
+            return None
+        if held.others:
+            logger.warning("--cores %s: also held by %d other pdserve worker(s) on this host",
+                           given, held.others)
+        return held
+    try:
+        claim = claims.claim()
+    except OSError as e:
+        raise SystemExit(f"pdserve worker: cannot claim a core in {claims.lock_dir()}: {e}; "
+                         f"pass --cores, or set {claims.LOCK_DIR_ENV} to a folder that every "
+                         "worker on this host can write") from None
+    if claim.others:
+        logger.info("no --cores and no core free among %s: sharing core %s with %d other "
+                    "pdserve worker(s), one compute thread", _cpu_list(os.sched_getaffinity(0)),
+                    claim.spec, claim.others)
+    else:
+        logger.info("no --cores: took core %s, which no other pdserve worker on this host holds",
+                    claim.spec)
+    return claim
+
+
+def _cpu_list(cpus: set[int]) -> str:
+    return ",".join(map(str, sorted(cpus)))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
+    claim = claim_cores(args.cores)  # held until this process ends
+    if args.cores is None and claim is not None:
+        args.cores = claim.spec  # as if given: pinned, and the engine binds one thread per core
     if args.cores is not None:
         pin(args.cores)
     if not args.model:

@@ -2,8 +2,23 @@
 
 Lifecycle of the worker: connect -> register (retried until acknowledged) -> ready (heartbeats,
 serves Generate / Abort) -> draining (on SIGTERM: refuses new work, finishes what it has) ->
-unregistered -> exit. A controller that stops acknowledging heartbeats is treated as gone: its
-requests are aborted here and the worker registers again once it answers.
+unregistered -> exit.
+
+A worker drops a controller's requests only on clear evidence that the controller has dropped
+them: it answers that it does not know this worker (`reregister`: it restarted, or declared this
+worker dead and moved its requests elsewhere), or it has been silent for its `dead_after` (sent
+in its acks; never less than MISSED_ACKS_BEFORE_LOST of its heartbeat intervals). Late acks alone
+change nothing: heartbeats go on, and so do the requests. Any message from a controller counts as
+hearing from it, and a beat that comes late (this process was stalled, what the controller sent
+may be unread) does not count that stall as the controller's silence.
+
+Heartbeats are sent from the event loop, not from a thread of their own. Late beats come from
+overcommitted cores, and a thread gets no more CPU than the loop then; the engine's output
+handler yields to the loop between chunks, so outputs do not hold a beat back for long (fake
+engine, 256 streams at 14k outputs/s on one loop: 100 ms beats came at most 0.4 s apart); a ZMQ
+socket must not be shared between threads, and a second DEALER would be a second peer under the
+same identity. Instead the controller counts every Output as a sign of life and treats silence
+as suspicion only (pdserve/controller/registry.py).
 
 Lifecycle of a request here: Generate arrives -> task streams the engine's DELTA outputs back as
 Output messages -> finished (or aborted by the controller, or failed with an error Output).
@@ -21,13 +36,16 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 from vllm.exceptions import VLLMClientError
+from vllm.v1.engine.exceptions import EngineDeadError
 
 from pdserve import protocol, transport
 from pdserve.protocol import ErrorKind, Output, Phase, Role, SeqDelta, TokenLogprob
-from pdserve.worker.engine import Engine
+from pdserve.worker.engine import FORCED_TOKENS_ARG, Engine
 
 logger = logging.getLogger(__name__)
 
+# A controller silent for its dead_after is gone, but never sooner than this many of its heartbeat
+# intervals (tests make it larger: a loaded test machine stalls for seconds).
 MISSED_ACKS_BEFORE_LOST = 3
 
 
@@ -40,8 +58,14 @@ class _Link:
     registered: bool = False
     refused: str | None = None
     controller_id: str = ""
-    last_ack: float = field(default_factory=time.monotonic)
+    last_heard: float = field(default_factory=time.monotonic)  # any message from it
     interval: float = 1.0
+    dead_after: float = 0.0  # the controller's, from its acks
+
+    def gone(self, now: float, stall: float = 0.0) -> bool:
+        """Silent for too long, not counting `stall` (this process's own, see the loop)."""
+        limit = max(self.dead_after, MISSED_ACKS_BEFORE_LOST * self.interval)
+        return self.registered and now - self.last_heard - stall > limit
 
 
 class PDWorker:
@@ -68,7 +92,8 @@ class PDWorker:
         # them, so the prefill worker's blocks must be released from here.
         self.unstarted: dict[tuple[int, str], dict] = {}
         self.stopped = asyncio.Event()
-        self.served = 0
+        self.engine_dead = False
+        self.left = False  # unregistered from every controller
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -83,10 +108,25 @@ class PDWorker:
                 t.cancel()
             await asyncio.gather(*loops, return_exceptions=True)
             await self._abort_all()
+            self._leave("stopped")  # no-op after a drain: the controllers move what was left
+            await asyncio.sleep(0.05)  # let it leave before the sockets close
             self.ctx.destroy(linger=0)
 
     def stop(self) -> None:
         self.stopped.set()
+
+    async def _engine_died(self, e: BaseException) -> None:
+        """Leave every pool at once and stop with a failure exit code, so that whoever runs the
+        worker (`pdserve serve`, systemd, Kubernetes) starts a new one: a dead vLLM engine does
+        not come back."""
+        if self.engine_dead:
+            return
+        self.engine_dead = True
+        logger.error("worker %s: its engine died (%s: %s); leaving the pool", self.worker_id,
+                     type(e).__name__, e)
+        self._leave(f"engine died: {e}")
+        await asyncio.sleep(0.1)  # let the unregister leave before the sockets close
+        self.stop()
 
     async def drain(self) -> None:
         """Stop taking requests, finish the ones in flight, unregister, stop."""
@@ -101,10 +141,16 @@ class PDWorker:
         if self.tasks:
             logger.warning("drain timeout: aborting %d requests", len(self.tasks))
             await self._abort_all()
-        self._tell_all(protocol.Unregister(self.worker_id, "drained"))
+        self._leave("drained")
         await asyncio.sleep(0.1)  # let the unregister leave before the sockets close
         logger.info("worker %s drained and unregistered", self.worker_id)
         self.stop()
+
+    def _leave(self, reason: str) -> None:
+        """Unregister from every controller, once."""
+        if not self.left:
+            self.left = True
+            self._tell_all(protocol.Unregister(self.worker_id, reason))
 
     def _tell_all(self, msg) -> None:
         # Never wait: a DEALER whose controller is gone would block a send forever.
@@ -122,24 +168,22 @@ class PDWorker:
                                  kv_port=self.kv_port, pid=os.getpid())
 
     async def _heartbeat_loop(self) -> None:
+        beat = time.monotonic()
         while True:
             try:
                 await self.engine.check_health()
             except Exception as e:  # a dead engine: leave the pool rather than fail every request
-                logger.error("worker %s: engine failed its health check (%s: %s); leaving the "
-                             "pool", self.worker_id, type(e).__name__, e)
-                self._tell_all(protocol.Unregister(self.worker_id, f"engine failed: {e}"))
-                await asyncio.sleep(0.1)  # let the unregister leave before the sockets close
-                self.stop()
+                await self._engine_died(e)
                 return
             now = time.monotonic()
+            stall, beat = max(0.0, now - beat - self.heartbeat_interval), now
             for i, link in enumerate(self.links):
                 if link.refused:
                     continue
-                if link.registered and now - link.last_ack > MISSED_ACKS_BEFORE_LOST * link.interval:
-                    logger.warning("controller %s stopped answering: aborting its %d requests, "
+                if link.gone(now, stall):
+                    logger.warning("controller %s silent for %.0f s: aborting its %d requests, "
                                    "registering again when it is back", link.url,
-                                   self._count(i))
+                                   now - link.last_heard, self._count(i))
                     link.registered = False
                     await self._abort_link(i)
                 if link.registered:
@@ -161,29 +205,38 @@ class PDWorker:
             except protocol.ProtocolError as e:
                 logger.warning("dropped a message from %s: %s", link.url, e)
                 continue
+            link.last_heard = time.monotonic()
             try:
                 if isinstance(msg, protocol.RegisterAck):
-                    self._on_ack(link, msg)
+                    await self._on_ack(i, msg)
                 elif isinstance(msg, protocol.Generate):
                     self._on_generate(i, msg)
                 elif isinstance(msg, protocol.Abort):
                     await self._on_abort(i, msg.request_ids)
+                elif isinstance(msg, protocol.Ping):
+                    pass  # hearing it is all it is for
                 else:
                     logger.warning("dropped a %s from %s: not a controller message",
                                    type(msg).__name__, link.url)
             except Exception:  # a handler bug must not stop this controller's loop
                 logger.exception("error handling a %s from %s", type(msg).__name__, link.url)
 
-    def _on_ack(self, link: _Link, ack: protocol.RegisterAck) -> None:
-        link.last_ack = time.monotonic()
+    async def _on_ack(self, i: int, ack: protocol.RegisterAck) -> None:
+        link = self.links[i]
         if ack.accepted:
             if not link.registered:
                 logger.info("registered with controller %s (%s) as %s %s", link.url,
                             ack.controller_id, self.role.name.lower(), self.worker_id)
             link.registered, link.controller_id = True, ack.controller_id
-            link.interval = ack.heartbeat_interval
+            link.interval, link.dead_after = ack.heartbeat_interval, ack.dead_after
         elif ack.reregister:
+            # The controller failed this worker's legs over already (or never had them): running
+            # them on here would only cost the engine.
+            if link.registered:
+                logger.warning("controller %s no longer knows this worker: aborting its %d "
+                               "requests, registering again", link.url, self._count(i))
             link.registered = False
+            await self._abort_link(i)
         else:
             link.refused = ack.reason
             logger.error("controller %s refused this worker: %s", link.url, ack.reason)
@@ -245,17 +298,23 @@ class PDWorker:
             if msg.phase == Phase.RELEASE:
                 await self.engine.release(rid, msg.kv_transfer_params or {})
                 return
+            finished = False
             async for ro in self.engine.generate(rid, msg.prompt_token_ids, params):
                 self._reply(i, to_output(ro))
-            self.served += 1
+                finished = ro.finished
+            if not finished:  # never forwarded as a whole answer
+                raise RuntimeError("the engine's stream ended before the request finished")
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the engine refused or failed: tell the controller why
-            kind = ErrorKind.INVALID if isinstance(e, _REFUSED) else ErrorKind.ENGINE
+            kind = (ErrorKind.DEAD if isinstance(e, EngineDeadError) else
+                    ErrorKind.INVALID if isinstance(e, _REFUSED) else ErrorKind.ENGINE)
             logger.warning("request %s failed on %s: %s: %s", rid, self.worker_id,
                            type(e).__name__, e)
             self._reply(i, Output(rid, [], finished=True, error=f"{type(e).__name__}: {e}",
                                   error_kind=kind))
+            if kind == ErrorKind.DEAD:
+                await self._engine_died(e)
 
 
 # The engine refused the request itself (e.g. VLLMClientError: an out-of-vocabulary token id):
@@ -270,8 +329,14 @@ def _params_for_phase(params, msg: protocol.Generate):
     params.output_kind = RequestOutputKind.DELTA
     extra = dict(params.extra_args or {})
     extra.pop("kv_transfer_params", None)
+    extra.pop(FORCED_TOKENS_ARG, None)
+    if msg.forced_tokens:
+        extra[FORCED_TOKENS_ARG] = list(msg.forced_tokens)
     if msg.phase == Phase.PREFILL:
         extra["kv_transfer_params"] = {"do_remote_decode": True}
+        # A per-request generator kills a CPU engine when a chunked prefill's sample is
+        # discarded (vLLM 0.32); a prefill's token never needs one (see first_token.py).
+        params.seed = None
     elif msg.phase in (Phase.DECODE, Phase.RELEASE):
         if not isinstance(msg.kv_transfer_params, dict):
             raise ValueError("decode request without kv_transfer_params")

@@ -21,7 +21,8 @@ FAKE_INFO = fake.fake_info()
 
 @pytest.fixture(autouse=True)
 def patient_workers(monkeypatch):
-    """Workers give up on a silent controller after MISSED beats, like the controller does."""
+    """Workers give up on a silent controller no sooner than after MISSED beats (the controller
+    suspects them after as many), even where a test gives the controller a short dead_after."""
     from pdserve.worker import worker
 
     monkeypatch.setattr(worker, "MISSED_ACKS_BEFORE_LOST", MISSED)
@@ -44,10 +45,10 @@ async def make_cluster(vllm_config):
     made: list[Cluster] = []
 
     async def make(settings: Settings | None = None, heartbeat: float = HEARTBEAT,
-                   missed: int = MISSED, expected=FAKE_INFO, keys=None,
+                   missed: int = MISSED, dead_after: float = 30.0, expected=FAKE_INFO, keys=None,
                    bind: str = "tcp://127.0.0.1:0") -> Cluster:
         pool = Pool(bind, expected=expected, keys=keys, heartbeat_interval=heartbeat,
-                    missed_heartbeats=missed)
+                    missed_heartbeats=missed, dead_after=dead_after)
         pool.start()
         c = Cluster(PDController(vllm_config, pool, settings or fast_settings()), heartbeat)
         made.append(c)

@@ -101,6 +101,7 @@ class Cluster:
     async def kill(self, worker_id: str) -> None:
         """Stop a worker and its engine without a word to the controller, as kill -9 does."""
         w = self.workers[worker_id]
+        w._leave = lambda reason: None  # type: ignore[method-assign]  # no Unregister either
         w.stop()
         await asyncio.wait_for(self.runs[worker_id], 5)
         w.engine.shutdown()  # type: ignore[attr-defined]  # its KV goes with it

@@ -98,9 +98,10 @@ async def test_release_and_timeout_free_held_blocks():
 
 async def test_a_prefill_ending_at_eos_holds_nothing():
     prompt = next([7, i] for i in range(10_000)
-                  if reference([7, i], SamplingParams(max_tokens=1)).finish_reason == "stop")
+                  if reference([7, i], SamplingParams(max_tokens=1, temperature=0.0)
+                               ).finish_reason == "stop")
     p = FakeEngine()
-    outs = await run(p, "r", prompt, with_kv(SamplingParams(max_tokens=1),
+    outs = await run(p, "r", prompt, with_kv(SamplingParams(max_tokens=1, temperature=0.0),
                                              {"do_remote_decode": True}))
     assert outs[-1].outputs[0].finish_reason == "stop" and outs[-1].kv_transfer_params is None
     assert p.held_blocks() == 0
@@ -118,11 +119,12 @@ async def test_reading_from_a_dead_prefill_engine_fails():
 
 def test_min_tokens_masks_eos_and_stop_tokens():
     prompt = next([7, i] for i in range(10_000)
-                  if reference([7, i], SamplingParams(max_tokens=1)).finish_reason == "stop")
-    ref = reference(prompt, SamplingParams(max_tokens=5, min_tokens=3))
+                  if reference([7, i], SamplingParams(max_tokens=1, temperature=0.0)
+                               ).finish_reason == "stop")
+    ref = reference(prompt, SamplingParams(max_tokens=5, temperature=0.0, min_tokens=3))
     assert len(ref.token_ids) >= 3 and fake.EOS_TOKEN_ID not in ref.token_ids[:3]
-    assert reference(prompt, SamplingParams(max_tokens=5, ignore_eos=True)).finish_reason \
-        == "length"
+    ignoring = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    assert reference(prompt, ignoring).finish_reason == "length"
 
 
 def test_stop_strings_are_held_back_until_decided():

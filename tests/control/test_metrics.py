@@ -151,3 +151,22 @@ def test_pool_gauges_follow_the_registry(m, clock):
     assert value(m, "pdserve_pool_workers", {"role": "decode", "state": "ready"}) == 1
     reg.unregister("d1")
     assert m.registry.get_sample_value("pdserve_worker_running_requests", labels) is None
+
+
+def test_suspicions_are_counted_by_outcome_and_suspects_by_state(m, clock):
+    info = EngineInfo("m", "m", 16, "float32", "nixl", 4096)
+    reg = Registry(info, heartbeat_interval=1.0, missed=3, clock=clock)
+    m.watch_pool(reg)
+    for wid in ("d1", "d2"):
+        reg.register(Register(wid, Role.DECODE, "h", info), wid.encode())
+    state = {"role": "decode", "state": "suspect"}
+    assert m.registry.get_sample_value("pdserve_pool_workers", state) == 0  # a series to watch
+    clock.t += 3.5
+    reg.expire()
+    assert value(m, "pdserve_pool_workers", state) == 2
+    reg.heard("d1")  # a false suspicion
+    reg.mark_dead("d2")  # its connection was gone
+    assert value(m, "pdserve_pool_workers", state) == 0
+    assert value(m, "pdserve_pool_workers", {"role": "decode", "state": "dead"}) == 1
+    assert value(m, "pdserve_worker_suspicions_total", {"outcome": "cleared"}) == 1
+    assert value(m, "pdserve_worker_suspicions_total", {"outcome": "dead"}) == 1

@@ -45,7 +45,7 @@ async def test_num_cached_tokens_reports_the_prompts_full_blocks(pd):
 
 
 def sampled(max_tokens, kind, **kw):
-    # The fake engine ignores temperature and seeds: every sequence gets the greedy tokens.
+    # The fake engine gives seeded sequences the greedy tokens; unseeded ones draw at random.
     return SamplingParams(max_tokens=max_tokens, temperature=1.0, ignore_eos=True,
                           output_kind=kind, **kw)
 
@@ -60,9 +60,21 @@ async def test_n_2_gives_two_sequences_from_one_engines_tokens(pd):
 
 
 async def test_n_2_streaming_interleaves_without_duplicates(pd):
-    outs = await pd.run(PROMPT, sampled(6, DELTA, n=2))
+    outs = await pd.run(PROMPT, sampled(6, DELTA, n=2, seed=5))
     ref = fake.reference(PROMPT, greedy(6)).token_ids
     assert final_tokens(outs, DELTA, 0) == ref and final_tokens(outs, DELTA, 1) == ref
+
+
+async def test_unseeded_random_sampling_needs_no_seed_and_never_forks(pd):
+    """The decode engine draws at random too; it is forced to the token the prefill streamed,
+    so every request completes on its first prefill and decode leg (no mismatch, no retry)."""
+    p, d = pd.engines()
+    for _ in range(20):
+        outs = await pd.run(PROMPT, sampled(8, DELTA, n=2))
+        for i in (0, 1):
+            assert len(final_tokens(outs, DELTA, i)) == 8
+    assert len(p.served) == len(d.served) == 40
+    await pd.assert_clean()
 
 
 async def test_max_tokens_1_is_served_by_the_prefill_alone(pd):
@@ -79,7 +91,7 @@ def _prompt_that_stops_at(n_tokens: int) -> list[int]:
     """A prompt whose greedy output ends with eos as token n_tokens."""
     for i in range(10_000):
         prompt = [7, i, i + 1]
-        ref = fake.reference(prompt, SamplingParams(max_tokens=50))
+        ref = fake.reference(prompt, SamplingParams(max_tokens=50, temperature=0))
         if ref.finish_reason == "stop" and len(ref.token_ids) == n_tokens:
             return prompt
     raise AssertionError("no such prompt")

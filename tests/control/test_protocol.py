@@ -25,7 +25,7 @@ INFO = EngineInfo("m", "tok", 16, "float32", "nixl", 4096)
 
 MESSAGES = [
     protocol.Register("w1", Role.BOTH, "10.0.0.2", INFO, kv_port=5600, pid=42),
-    protocol.RegisterAck(False, "model: no", "c1", 0.25, reregister=True),
+    protocol.RegisterAck(False, "model: no", "c1", 0.25, reregister=True, dead_after=30.0),
     protocol.Heartbeat("w1", Load(3, 4, 0.75), draining=True),
     protocol.Drain("w1"),
     protocol.Unregister("w1", "drained"),
@@ -33,6 +33,7 @@ MESSAGES = [
                       msgspec.Raw(msgspec.msgpack.encode({"max_tokens": 5})),
                       {"do_remote_prefill": True, "remote_block_ids": [0, 1]}),
     protocol.Abort(["a", "b"]),
+    protocol.Ping("c1"),
     protocol.Output("r1", [SeqDelta(1, " x", [5, 6], [[TokenLogprob(5, -0.5, 1, " x")],
                                                       [TokenLogprob(6, -1.0, None, None)]],
                                     -1.5, "stop", 6)],

@@ -1,4 +1,4 @@
-"""Pool membership as pure logic, with a fake clock."""
+"""Pool membership as pure logic, with a fake clock: admission, suspicion, verdicts."""
 
 from __future__ import annotations
 
@@ -26,12 +26,26 @@ def clock():
 
 @pytest.fixture
 def reg(clock):
-    return Registry(INFO, heartbeat_interval=1.0, missed=3, forget_after=60.0, clock=clock)
+    return Registry(INFO, heartbeat_interval=1.0, missed=3, dead_after=30.0, forget_after=60.0,
+                    clock=clock)
 
 
 def register(reg, wid: str, role=Role.DECODE, info=INFO, identity: bytes | None = None):
     return reg.register(Register(wid, role, "10.0.0.1", info, kv_port=5600, pid=7),
                         identity or wid.encode())
+
+
+NOTHING = ([], [], [])  # an Expiry that found nothing
+
+
+def tick(reg, clock, seconds: float, step: float = 0.5) -> tuple[set, set, set]:
+    """Let time pass with a check every `step` (the pool's pace); the ids each list named."""
+    found: tuple[set, set, set] = (set(), set(), set())
+    for _ in range(round(seconds / step)):
+        clock.t += step
+        for ids, workers in zip(found, reg.expire()):
+            ids.update(w.id for w in workers)
+    return found
 
 
 def test_register_makes_a_ready_worker(reg, clock):
@@ -68,28 +82,86 @@ def test_heartbeat_updates_load_and_keeps_alive(reg, clock):
     for _ in range(10):
         clock.t += 2.5
         w = reg.heartbeat("d1", Load(2, 1, 0.5), draining=False)
-        assert reg.expire() == []
+        assert reg.expire() == NOTHING
     assert w.load == Load(2, 1, 0.5) and w.last_seen == clock.t and w.score() == 3
 
 
-def test_expiry_after_missed_heartbeats_exactly(reg, clock):
+def test_silence_is_suspicion_after_missed_intervals_exactly(reg, clock):
     register(reg, "d1")
-    clock.t += 3.0  # silent for exactly missed * interval: still alive
-    assert reg.expire() == [] and reg.workers["d1"].state == WorkerState.READY
+    register(reg, "d2")
+    clock.t += 3.0  # silent for exactly missed * interval: not yet
+    reg.heartbeat("d2", Load(), False)
+    assert reg.expire() == NOTHING and reg.workers["d1"].state == WorkerState.READY
     clock.t += 0.01
-    dead = reg.expire()
-    assert [w.id for w in dead] == ["d1"] and dead[0].state == WorkerState.DEAD
-    assert reg.ready("decode") == []
-    assert reg.expire() == []  # reported once
-    # A dead worker's heartbeat is refused (it must register again) ...
-    assert reg.heartbeat("d1", Load(), False) is None
-    # ... and its entry is forgotten forget_after seconds after it was last heard of.
-    clock.t += 56.9
-    reg.expire()
-    assert "d1" in reg.workers
+    found = reg.expire()
+    assert [w.id for w in found.suspected] == ["d1"] and [w.id for w in found.probe] == ["d1"]
+    assert found.dead == [] and reg.workers["d1"].state == WorkerState.SUSPECT
+    # No new work for it, but it is not gone: its legs keep running, and it may come back.
+    assert [w.id for w in reg.ready("decode")] == ["d2"]
+    assert {w.id for w in reg.ready("decode", suspect=True)} == {"d1", "d2"}
+    assert reg.counts() == {("decode", "suspect"): 1, ("decode", "ready"): 1}
+    # Suspected once, probed at every check until it speaks or is dead.
+    clock.t += 0.5
+    found = reg.expire()
+    assert found.suspected == [] and [w.id for w in found.probe] == ["d1"]
+
+
+def test_a_suspect_that_speaks_is_ready_again_and_counted_as_a_false_suspicion(reg, clock):
+    register(reg, "d1")
+    assert tick(reg, clock, 3.5)[0] == {"d1"}
     clock.t += 0.2
-    reg.expire()
+    assert reg.heard("d1") is True  # e.g. an Output of one of its legs
+    w = reg.workers["d1"]
+    assert w.state == WorkerState.READY and w.last_seen == clock.t
+    assert reg.suspicions == {"cleared": 1, "dead": 0}
+    assert reg.heard("d1") is False  # nothing to clear
+    # A heartbeat clears a suspicion too, and so does a drain (which then takes effect).
+    tick(reg, clock, 3.5)
+    assert reg.heartbeat("d1", Load(1, 0, 0.1), False).state == WorkerState.READY
+    tick(reg, clock, 3.5)
+    assert reg.drain("d1").state == WorkerState.DRAINING
+    assert reg.suspicions == {"cleared": 3, "dead": 0}
+    assert reg.heard("ghost") is False
+
+
+def test_dead_only_after_dead_after_of_silence(reg, clock):
+    register(reg, "d1")
+    suspected, dead, probed = tick(reg, clock, 30.0)
+    assert suspected == probed == {"d1"} and dead == set()
+    assert reg.workers["d1"].state == WorkerState.SUSPECT
+    suspected, dead, probed = tick(reg, clock, 0.5)
+    assert dead == {"d1"} and reg.workers["d1"].state == WorkerState.DEAD
+    assert reg.suspicions == {"cleared": 0, "dead": 1}
+    assert tick(reg, clock, 1.0) == (set(), set(), set())  # reported once, no longer probed
+    # A verdict stands: the dead worker's messages are not heard, its heartbeat is refused
+    # (it must register again) ...
+    assert reg.heard("d1") is False and reg.heartbeat("d1", Load(), False) is None
+    # ... and its entry is forgotten forget_after seconds after it was last heard of.
+    tick(reg, clock, 28.5)
+    assert "d1" in reg.workers
+    tick(reg, clock, 0.5)
     assert "d1" not in reg.workers
+
+
+def test_a_failed_probe_is_the_verdict(reg, clock):
+    register(reg, "d1")
+    tick(reg, clock, 3.5)
+    register(reg, "d2")
+    assert reg.mark_dead("d1").state == WorkerState.DEAD  # the pool: its connection is gone
+    assert reg.mark_dead("d2").state == WorkerState.DEAD  # a send failed: never suspected
+    assert reg.suspicions == {"cleared": 0, "dead": 1}
+
+
+def test_a_late_check_does_not_count_the_controllers_own_stall(reg, clock):
+    register(reg, "d1")
+    tick(reg, clock, 2.0)
+    reg.heartbeat("d1", Load(), False)
+    # The controller stalls for 5 s: the worker's heartbeats from that time wait unread.
+    clock.t += 5.0
+    assert reg.expire() == NOTHING
+    # Checks at the usual pace again: if they are still not heard, they are suspect.
+    clock.t += 0.5
+    assert [w.id for w in reg.expire().suspected] == ["d1"]
 
 
 def test_unknown_worker_heartbeat_is_refused(reg):
@@ -104,11 +176,14 @@ def test_drain_takes_a_worker_out_of_routing(reg, clock):
     assert reg.workers["d1"].last_seen == clock.t
     assert [w.id for w in reg.ready("decode")] == ["d2"]
     reg.heartbeat("d2", Load(), draining=True)  # a heartbeat can say so too
-    assert reg.ready("decode") == []
+    assert reg.ready("decode") == [] and reg.ready("decode", suspect=True) == []
     assert reg.drain("ghost") is None
-    # Draining workers still expire if they fall silent.
-    clock.t += 10
-    assert {w.id for w in reg.expire()} == {"d1", "d2"}
+    # Silent draining workers are probed (they get no new work anyway), then dead.
+    suspected, dead, probed = tick(reg, clock, 4.0)
+    assert suspected == dead == set() and probed == {"d1", "d2"}
+    assert reg.workers["d1"].state == WorkerState.DRAINING
+    assert tick(reg, clock, 27.0)[1] == {"d1", "d2"}
+    assert reg.suspicions == {"cleared": 0, "dead": 0}  # never suspects
 
 
 def test_drain_does_not_revive_the_dead(reg, clock):
@@ -127,8 +202,7 @@ def test_unregister_removes(reg):
 def test_same_id_registering_again_replaces_its_entry(reg, clock):
     old, _ = register(reg, "d1")
     old.inflight = 4
-    clock.t += 5
-    reg.expire()
+    reg.mark_dead("d1")
     assert old.state == WorkerState.DEAD
     new, note = register(reg, "d1", identity=b"d1")
     assert note == "replaced" and new is not old and new.state == WorkerState.READY

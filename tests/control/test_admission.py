@@ -1,0 +1,315 @@
+"""Admission control: the pure logic with a fake clock, then through vLLM's HTTP app over a
+controller with fake workers (429 + Retry-After when full, 503 on a queue timeout, never a 500)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from http import HTTPStatus
+
+import httpx
+import pytest
+from fakepool import fast_settings, wait_until
+
+from pdserve.controller.admission import Admission, limits
+from pdserve.errors import Overloaded, QueueTimeout, TooManySequences
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def adm(inflight: int = 2, queued: int = 2, timeout: float = 10.0, clock=None) -> Admission:
+    return Admission(inflight, queued, timeout, clock=clock or Clock())
+
+
+# ---- pure logic ------------------------------------------------------------------------------
+
+
+def test_limits_honour_vllms_cap_on_running_plus_waiting():
+    assert limits(512, 1024) == (512, 1024)
+    assert limits(512, 1024, 600) == (512, 88)
+    assert limits(512, 1024, 100) == (100, 0)
+    assert limits(4, 0) == (4, 0)
+    for bad in [(0, 10, None), (4, -1, None), (4, 4, 0)]:
+        with pytest.raises(ValueError):
+            limits(*bad)
+
+
+def test_the_controller_flags_are_bounded_by_default_and_take_vllms_cap():
+    from pdserve.controller.server import make_parser, settings_from
+
+    def settings(*flags: str):
+        return settings_from(make_parser().parse_args(["--model", "m", *flags]))
+
+    s = settings()
+    assert (s.max_inflight, s.max_queued) == (512, 1024)
+    s = settings("--max-inflight", "64", "--max-queued", "0")
+    assert (s.max_inflight, s.max_queued) == (64, 0)
+    s = settings("--max-num-queued-reqs", "600")
+    assert (s.max_inflight, s.max_queued) == (512, 88)
+    with pytest.raises(ValueError):
+        settings("--max-inflight", "0")
+
+
+def test_slots_are_granted_up_to_max_inflight_then_requests_wait():
+    a = adm(inflight=2, queued=2)
+    t1, t2 = a.enter(), a.enter()
+    assert t1.granted_at is not None and t2.granted_at is not None
+    assert a.inflight == 2
+    a.check()  # the line has room
+    t3 = a.enter()
+    assert t3.granted_at is None and a.queued == 1
+    a.release(t1)
+    assert t3.granted_at is not None and (a.inflight, a.queued) == (2, 0)
+
+
+def test_a_full_line_is_refused_with_429_and_a_retry_after():
+    a = adm(inflight=1, queued=2)
+    a.enter()
+    a.enter()
+    a.enter()
+    with pytest.raises(Overloaded) as e:
+        a.check()
+    assert e.value.http_status == HTTPStatus.TOO_MANY_REQUESTS
+    assert e.value.reason == "queue_full"
+    assert e.value.retry_after >= 1
+    assert "capacity" in e.value.message and "retry after" in e.value.message
+
+
+def test_enter_lets_requests_past_check_wait_within_the_grace_only():
+    # Requests that passed check() while the line had room may arrive after it filled up.
+    a = adm(inflight=1, queued=2)
+    a.enter()
+    waiting = [a.enter() for _ in range(2 + a.grace)]
+    assert all(t.granted_at is None for t in waiting)
+    with pytest.raises(Overloaded):
+        a.enter()
+    assert a.queued == 2 + a.grace
+
+
+def test_n_counts_n_slots_and_more_than_max_inflight_is_a_400():
+    a = adm(inflight=4, queued=4)
+    big = a.enter(3)
+    assert a.inflight == 3
+    two = a.enter(2)  # does not fit beside it
+    assert two.granted_at is None and a.queued == 2
+    with pytest.raises(Overloaded):
+        a.check(3)  # 2 + 3 > 4 waiting
+    a.check(2)
+    with pytest.raises(TooManySequences) as e:
+        a.check(5)
+    assert e.value.http_status == HTTPStatus.BAD_REQUEST
+    with pytest.raises(TooManySequences):
+        a.enter(5)
+    a.release(big)
+    assert two.granted_at is not None and a.inflight == 2
+
+
+def test_waiters_are_served_first_in_first_out_and_a_big_one_is_not_overtaken():
+    a = adm(inflight=3, queued=10)
+    running = [a.enter() for _ in range(3)]
+    big = a.enter(2)
+    small = [a.enter(1) for _ in range(3)]
+    a.release(running[0])  # one slot: not enough for the head (2), and nobody overtakes it
+    assert big.granted_at is None and all(t.granted_at is None for t in small)
+    a.release(running[1])
+    assert big.granted_at is not None and all(t.granted_at is None for t in small)
+    a.release(running[2])
+    assert [t.granted_at is not None for t in small] == [True, False, False]
+    a.release(big)
+    assert all(t.granted_at is not None for t in small)
+    assert (a.inflight, a.queued) == (3, 0)
+
+
+def test_release_is_idempotent_and_leaving_the_line_unblocks_the_next():
+    a = adm(inflight=2, queued=4)
+    t1 = a.enter(1)
+    a.enter(1)
+    head = a.enter(2)
+    nxt = a.enter(1)
+    a.release(t1)  # one free slot: head (2) still waits, nxt waits behind it
+    assert head.granted_at is None and nxt.granted_at is None
+    a.release(head)  # head gives up (timeout or cancellation)
+    assert nxt.granted_at is not None
+    a.release(head)
+    a.release(t1)
+    assert (a.inflight, a.queued) == (2, 0)
+
+
+def test_a_line_that_would_not_clear_in_half_the_queue_timeout_is_refused_early():
+    clock = Clock()
+    a = adm(inflight=2, queued=100, timeout=10.0, clock=clock)
+    assert a.retry_after() == 1  # nothing measured yet
+    for _ in range(4):  # requests hold their slots 4 s
+        t = a.enter()
+        clock.t += 4.0
+        a.release(t)
+    running = [a.enter() for _ in range(2)]
+    waiting = [a.enter()]
+    # 1 waiting + 1 more, 2 slots coming free per 4 s: ~4 s to wait, within half of 10 s
+    assert a.expected_wait() == pytest.approx(4.0)
+    a.check()
+    assert a.retry_after() == 2  # the line of 1 clears in ~2 s
+    waiting.append(a.enter())
+    with pytest.raises(Overloaded) as e:  # ~6 s > 5 s
+        a.check()
+    assert e.value.reason == "expected_wait"
+    assert e.value.retry_after == 4
+    waiting += [a.enter() for _ in range(10)]
+    assert a.retry_after() == 10  # capped at the queue timeout
+    for t in running + waiting:
+        a.release(t)
+    assert (a.inflight, a.queued) == (0, 0)
+
+
+async def test_acquire_waits_for_a_slot_in_order():
+    a = adm(inflight=1, queued=4)
+    first = await a.acquire()
+    order: list[int] = []
+
+    async def waiter(i: int):
+        t = await a.acquire()
+        order.append(i)
+        await asyncio.sleep(0)
+        a.release(t)
+
+    tasks = [asyncio.create_task(waiter(i)) for i in range(3)]
+    await wait_until(lambda: a.queued == 3, 2, "three waiters")
+    a.release(first)
+    await asyncio.gather(*tasks)
+    assert order == [0, 1, 2]
+    assert (a.inflight, a.queued) == (0, 0)
+
+
+async def test_a_waiter_gives_up_after_the_queue_timeout_with_a_503():
+    a = adm(inflight=1, queued=4, timeout=0.05)
+    held = await a.acquire()
+    with pytest.raises(QueueTimeout) as e:
+        await a.acquire()
+    assert e.value.http_status == HTTPStatus.SERVICE_UNAVAILABLE
+    assert e.value.reason == "queue_timeout" and e.value.retry_after >= 1
+    assert "queue timeout" in e.value.message
+    assert (a.inflight, a.queued) == (1, 0)
+    a.release(held)
+    assert a.inflight == 0
+
+
+async def test_a_cancelled_waiter_leaves_the_line():
+    a = adm(inflight=1, queued=4, timeout=30.0)
+    held = await a.acquire()
+    task = asyncio.create_task(a.acquire(1))
+    behind = asyncio.create_task(a.acquire(1))
+    await wait_until(lambda: a.queued == 2, 2, "two waiters")
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert a.queued == 1
+    a.release(held)
+    t = await asyncio.wait_for(behind, 2)
+    assert (a.inflight, a.queued) == (1, 0)
+    a.release(t)
+    assert a.inflight == 0
+
+
+# ---- through vLLM's HTTP app over a controller with fake workers -----------------------------
+
+
+@pytest.fixture
+async def http(make_cluster, vllm_config):
+    """`await http(settings)`: an httpx client on vLLM's OpenAI app over a fresh cluster."""
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+    from vllm.entrypoints.launchers.app import build_app
+
+    from pdserve.controller.server import add_routes, make_parser
+
+    clients: list[httpx.AsyncClient] = []
+
+    async def make(settings):
+        c = await make_cluster(settings=settings)
+        args = make_parser().parse_args(["--model", vllm_config.model_config.model])
+        tasks = await c.controller.get_supported_tasks()
+        app = build_app(args, tasks, c.controller.model_config)
+        add_routes(app, c.controller, c.controller.metrics)
+        await init_app_state(c.controller, app.state, args, tasks)
+        client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                   base_url="http://pdserve", timeout=60)
+        clients.append(client)
+        return c, client
+
+    yield make
+    for client in clients:
+        await client.aclose()
+
+
+def body(model: str, max_tokens: int = 20, stream: bool = False, n: int = 1) -> dict:
+    return {"model": model, "prompt": [5, 6, 7, 8, 9], "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": stream, "n": n}
+
+
+def rejections(c, reason: str) -> float:
+    v = c.controller.metrics.registry.get_sample_value("pdserve_admission_rejections_total",
+                                                       {"reason": reason})
+    return v or 0.0
+
+
+async def test_over_capacity_gets_429_with_retry_after_and_the_admitted_complete(http,
+                                                                              vllm_config):
+    model = vllm_config.model_config.model
+    c, client = await http(fast_settings(max_inflight=2, max_queued=2, queue_timeout=30.0))
+    await c.add("prefill")
+    await c.add("decode", decode_delay=0.05)  # 20 tokens: about a second per request
+    admitted = [asyncio.create_task(client.post("/v1/completions", json=body(model, stream=s)))
+                for s in (False, True, False, True)]
+    adm_ = c.controller.admission
+    await wait_until(lambda: (adm_.inflight, adm_.queued) == (2, 2), 10, "2 running, 2 waiting")
+
+    refused = await asyncio.gather(*[client.post("/v1/completions", json=body(model, stream=s))
+                                     for s in (False, True, False)])
+    for r in refused:
+        assert r.status_code == 429, r.text
+        assert int(r.headers["retry-after"]) >= 1
+        err = r.json()["error"]
+        assert err["code"] == 429 and "capacity" in err["message"]
+    assert rejections(c, "queue_full") == 3
+
+    too_big = await client.post("/v1/completions", json=body(model, n=3))
+    assert too_big.status_code == 400 and "--max-inflight" in too_big.json()["error"]["message"]
+
+    for r in await asyncio.gather(*admitted):
+        assert r.status_code == 200, r.text
+        if r.headers["content-type"].startswith("application/json"):
+            assert r.json()["choices"][0]["finish_reason"] == "length"
+        else:
+            events = [json.loads(line[6:]) for line in r.text.splitlines()
+                      if line.startswith("data: {")]
+            assert not any("error" in e for e in events), events
+            assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert (adm_.inflight, adm_.queued) == (0, 0)
+
+    # After the burst the pool serves as usual.
+    again = await client.post("/v1/completions", json=body(model, max_tokens=4))
+    assert again.status_code == 200, again.text
+    await c.assert_clean()
+
+
+async def test_a_request_that_waits_out_the_queue_timeout_gets_503_with_retry_after(
+        http, vllm_config):
+    model = vllm_config.model_config.model
+    c, client = await http(fast_settings(max_inflight=1, max_queued=4, queue_timeout=0.3))
+    await c.add("prefill")
+    await c.add("decode", decode_delay=0.05)
+    first = asyncio.create_task(client.post("/v1/completions", json=body(model)))
+    await wait_until(lambda: c.controller.admission.inflight == 1, 10, "the first to start")
+    late = await client.post("/v1/completions", json=body(model))
+    assert late.status_code == 503, late.text
+    assert int(late.headers["retry-after"]) >= 1
+    assert "queue timeout" in late.json()["error"]["message"]
+    assert rejections(c, "queue_timeout") == 1
+    assert (await first).status_code == 200
+    assert c.controller.admission.queued == 0
+    await c.assert_clean()

@@ -1,0 +1,180 @@
+"""Failure detection that does not flap: silence is only suspicion; a worker is dead when its
+connection is gone or it was silent for dead_after; a worker keeps a controller's requests
+through late acks and drops them when the controller says it no longer knows the worker."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from fakepool import fast_settings, final_tokens, greedy, wait_until
+
+from pdserve import fake, protocol
+from pdserve.worker import worker as worker_mod
+
+PROMPT = list(range(600, 640))
+
+
+def migrations(c) -> float:
+    return c.controller.metrics.registry.get_sample_value(
+        "pdserve_retries_total", {"kind": "migration"}) or 0.0
+
+
+def state(c, wid: str) -> str:
+    w = c.pool.registry.workers.get(wid)
+    return "gone" if w is None else w.state.value
+
+
+def mute(c, w) -> Callable[[], None]:
+    """The controller stops hearing the worker's heartbeats, as when the worker's process gets
+    no CPU for them; everything else still arrives. Returns the undo."""
+    dispatch = c.pool._dispatch
+
+    def deaf(identity: bytes, msg) -> None:
+        if identity != w.worker_id.encode() or not isinstance(msg, protocol.Heartbeat):
+            dispatch(identity, msg)
+
+    c.pool._dispatch = deaf
+    return lambda: delattr(c.pool, "_dispatch")
+
+
+def spy_aborts(w) -> list[str]:
+    aborted: list[str] = []
+    abort = w.engine.abort
+
+    async def spy(request_ids: list[str]) -> None:
+        aborted.extend(request_ids)
+        await abort(request_ids)
+
+    w.engine.abort = spy
+    return aborted
+
+
+async def states_while(c, wid: str, task: asyncio.Task) -> set[str]:
+    seen = set()
+    while not task.done():
+        seen.add(state(c, wid))
+        await asyncio.sleep(0.01)
+    return seen
+
+
+async def test_a_worker_streaming_outputs_is_alive_whatever_its_heartbeats(make_cluster):
+    c = await make_cluster(missed=5)  # suspect after 0.5 s of silence
+    await c.add("prefill")
+    d, = await c.add("decode", decode_delay=0.03)
+    req = asyncio.create_task(c.run(PROMPT, greedy(80)))  # ~2.4 s of tokens
+    await wait_until(lambda: d.engine.active_requests(), what="the decode to start")
+    mute(c, d)
+    assert await states_while(c, d.worker_id, req) == {"ready"}
+    outs = await req
+    assert final_tokens(outs) == fake.reference(PROMPT, greedy(80)).token_ids
+    assert migrations(c) == 0 and c.pool.registry.suspicions == {"cleared": 0, "dead": 0}
+    await c.assert_clean()
+
+
+async def test_a_silent_connected_worker_is_suspect_gets_no_work_and_is_back_when_heard(
+        make_cluster):
+    c = await make_cluster(missed=5)
+    await c.add("prefill")
+    d1, d2 = await c.add("decode", 2)
+    unmute = mute(c, d1)
+    await wait_until(lambda: state(c, d1.worker_id) == "suspect", 5, "d1 suspect")
+    for i in range(4):
+        outs = await c.run(PROMPT + [i], greedy(4))
+        assert final_tokens(outs) == fake.reference(PROMPT + [i], greedy(4)).token_ids
+    assert d1.engine.served == [] and len(d2.engine.served) == 4
+    assert state(c, d1.worker_id) == "suspect"  # probed all along: its connection is there
+    assert d1.links[0].registered  # the probes are the controller speaking: it stays
+    unmute()
+    await wait_until(lambda: state(c, d1.worker_id) == "ready", 5, "d1 ready again")
+    s = c.pool.registry.suspicions
+    assert s["cleared"] >= 1 and s["dead"] == 0, s
+    outs = await c.run(PROMPT, greedy(4))
+    assert final_tokens(outs) == fake.reference(PROMPT, greedy(4)).token_ids
+
+
+async def test_a_killed_worker_is_dead_within_missed_intervals_and_its_stream_migrates(
+        make_cluster):
+    c = await make_cluster(missed=5)  # dead_after stays 30 s: the failed probe decides
+    await c.add("prefill")
+    d1, = await c.add("decode", decode_delay=0.03)
+    params = greedy(60)
+    req = asyncio.create_task(c.run(PROMPT, params))
+    await wait_until(lambda: d1.engine.active_requests(), what="the decode to start")
+    d2, = await c.add("decode")
+    killed = time.monotonic()
+    await c.kill(d1.worker_id)
+    await wait_until(lambda: state(c, d1.worker_id) == "dead", 10, "d1 dead")
+    assert time.monotonic() - killed < 5.0  # 0.5 s of silence, then one probe
+    outs = await req
+    assert final_tokens(outs) == fake.reference(PROMPT, params).token_ids
+    assert migrations(c) == 1 and len(d2.engine.served) == 1
+    assert c.pool.registry.suspicions["dead"] == 1
+    await c.assert_clean()
+
+
+async def test_late_acks_do_not_make_a_worker_abort_its_requests(make_cluster, monkeypatch):
+    monkeypatch.setattr(worker_mod, "MISSED_ACKS_BEFORE_LOST", 3)  # 0.3 s: the old trigger
+    c = await make_cluster()
+    await c.add("prefill")
+    d, = await c.add("decode", decode_delay=0.03)
+    aborted = spy_aborts(d)
+    reply, loop = c.pool._reply, asyncio.get_running_loop()
+
+    def late(identity: bytes, msg) -> None:  # every ack to d arrives 1.5 s late
+        if identity == d.worker_id.encode() and isinstance(msg, protocol.RegisterAck):
+            loop.call_later(1.5, reply, identity, msg)
+        else:
+            reply(identity, msg)
+
+    c.pool._reply = late
+    req = asyncio.create_task(c.run(PROMPT, greedy(80)))
+    registered = set()
+    while not req.done():
+        registered.add(d.links[0].registered)
+        await asyncio.sleep(0.01)
+    outs = await req
+    assert final_tokens(outs) == fake.reference(PROMPT, greedy(80)).token_ids
+    assert registered == {True} and aborted == [] and migrations(c) == 0
+
+
+async def test_a_worker_the_controller_declared_dead_drops_its_legs_when_told(
+        make_cluster, monkeypatch):
+    monkeypatch.setattr(worker_mod, "MISSED_ACKS_BEFORE_LOST", 100)  # it never gives up itself
+    c = await make_cluster(missed=3, dead_after=1.0,
+                           settings=fast_settings(token_timeout=10.0))
+    await c.add("prefill")
+    d1, = await c.add("decode", stall_after_tokens=3)
+    aborted = spy_aborts(d1)
+    params = greedy(8)
+    req = asyncio.create_task(c.run(PROMPT, params))
+    await wait_until(lambda: d1.engine.active_requests(), what="the decode to start")
+    await c.add("decode")
+    # Its stream stalls and its heartbeats go unheard: nothing shows it alive, but its
+    # connection is there, so it is dead only after dead_after.
+    silenced = time.monotonic()
+    unmute = mute(c, d1)
+    await wait_until(lambda: state(c, d1.worker_id) == "dead", 10, "d1 dead")
+    assert time.monotonic() - silenced > 0.9
+    outs = await req  # failed over
+    assert final_tokens(outs) == fake.reference(PROMPT, params).token_ids
+    assert migrations(c) == 1
+    assert d1.engine.active_requests() and aborted == []  # the worker does not know yet
+    unmute()  # its next heartbeat is answered "register again": the leg goes, it comes back
+    await wait_until(lambda: not d1.engine.active_requests(), 5, "d1 to drop its leg")
+    assert len(aborted) == 1
+    await wait_until(lambda: c.is_ready(d1.worker_id), 5, "d1 registered again")
+    await c.assert_clean()
+
+
+def test_a_worker_gives_up_on_a_controller_only_after_its_dead_after(monkeypatch):
+    monkeypatch.setattr(worker_mod, "MISSED_ACKS_BEFORE_LOST", 3)
+    link = worker_mod._Link("tcp://c:1", None, registered=True, last_heard=100.0, interval=1.0,
+                            dead_after=30.0)
+    assert not link.gone(129.9) and link.gone(130.1)
+    assert not link.gone(134.0, stall=5.0)  # this process was stalled, not the controller
+    link.dead_after = 0.0  # a controller that does not say: MISSED_ACKS_BEFORE_LOST intervals
+    assert not link.gone(102.9) and link.gone(103.1)
+    link.registered = False
+    assert not link.gone(1000.0)

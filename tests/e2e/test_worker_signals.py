@@ -1,0 +1,202 @@
+"""Operators' habits and engine deaths, with real engines, against the 1P1D `pd_server`.
+
+A signal to a worker's whole process group (Ctrl-C in its terminal, systemd's default stop,
+`kill -- -PGID`) drains the worker as a signal to the worker alone does: the streams in flight
+finish whole. A second Ctrl-C stops at once, and an engine killed under its worker makes the
+worker leave and exit non-zero; either way the streams move to another worker and finish whole,
+equal to one plain engine. The pool's own prefill engine killed under load: the worker exits,
+`pdserve serve` starts a new one, and serving resumes without a person.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+from procs import get_json, wait_for
+from test_openai import complete, prompt_ids
+from test_pool import start_worker, workers
+
+STREAMS, MAX_TOKENS = 6, 200
+
+
+def engine_core_pid(worker_pid: int) -> int:
+    """The engine-core child of a worker process (it runs in a process group of its own)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+        if ppid == worker_pid and name.startswith("VLLM::Engine"):  # comm is cut at 15
+            return int(entry)
+    raise AssertionError(f"no engine core under worker {worker_pid}")
+
+
+def ready(pd_server, worker_id: str) -> bool:
+    return workers(pd_server).get(worker_id, {}).get("state") == "ready"
+
+
+class Streams:
+    """STREAMS greedy completions at once, in threads; `results()` waits for them."""
+
+    def __init__(self, client, model_dir, prompts):
+        self.out: dict[int, object] = {}
+        self.threads = [threading.Thread(target=self._run, args=(client, model_dir, k, p))
+                        for k, p in enumerate(prompts)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, client, model_dir, k, prompt):
+        try:
+            self.out[k] = complete(client, model_dir, prompt, max_tokens=MAX_TOKENS,
+                                   temperature=0)[0]
+        except Exception as e:  # noqa: BLE001 - the test reports it
+            self.out[k] = e
+
+    def results(self, timeout: float = 240) -> list:
+        for t in self.threads:
+            t.join(timeout)
+        return [self.out.get(k, "lost") for k in range(len(self.threads))]
+
+
+@pytest.fixture()
+def streams_case(ref_client, model_dir):
+    """Prompts for STREAMS streams, with the plain engine's answers."""
+    def make(seed: int):
+        prompts = [prompt_ids(60 + 7 * k, seed + k) for k in range(STREAMS)]
+        refs = [complete(ref_client, model_dir, p, max_tokens=MAX_TOKENS, temperature=0)[0]
+                for p in prompts]
+        return prompts, refs
+    return make
+
+
+def joined_decode(name, pd_server, model_dir, logs):
+    w = start_worker(name, "decode", pd_server, model_dir, logs)
+    wait_for(lambda: ready(pd_server, name), 300, f"decode worker {name}", [w])
+    return w
+
+
+def on_worker(pd_server, name: str) -> bool:
+    return workers(pd_server).get(name, {}).get("inflight", 0) > 0
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_group_signal_drains_a_decode_worker(sig, pd_server, pd_client, model_dir, logs,
+                                             streams_case):
+    name = f"decode-0-group-{sig.name.lower()}"
+    prompts, refs = streams_case(13_000 + sig)
+    w = joined_decode(name, pd_server, model_dir, logs)
+    try:
+        s = Streams(pd_client, model_dir, prompts)
+        wait_for(lambda: on_worker(pd_server, name), 60, "streams on the joined worker")
+        w.signal(sig)  # the whole process group, engine core included
+        assert s.results() == refs
+        w.proc.wait(120)
+        assert w.proc.returncode == 0
+        log = w.log()
+        assert "draining" in log and "drained and unregistered" in log
+        assert "EngineCore: trigger received signal" not in log.split("draining")[0]
+    finally:
+        w.stop()
+
+
+def test_second_ctrl_c_stops_at_once_and_the_streams_move(pd_server, pd_client, model_dir, logs,
+                                                          streams_case):
+    name = "decode-0-twice"
+    prompts, refs = streams_case(14_000)
+    w = joined_decode(name, pd_server, model_dir, logs)
+    try:
+        s = Streams(pd_client, model_dir, prompts)
+        wait_for(lambda: on_worker(pd_server, name), 60, "streams on the joined worker")
+        time.sleep(0.3)
+        w.signal(signal.SIGINT)
+        time.sleep(0.2)
+        w.signal(signal.SIGINT)
+        w.proc.wait(60)
+        assert "stopping now" in w.log()
+        assert s.results() == refs
+    finally:
+        w.stop()
+
+
+def test_engine_core_killed_under_a_worker(pd_server, pd_client, model_dir, logs, streams_case):
+    name = "decode-0-engine-killed"
+    prompts, refs = streams_case(15_000)
+    w = joined_decode(name, pd_server, model_dir, logs)
+    try:
+        s = Streams(pd_client, model_dir, prompts)
+        wait_for(lambda: on_worker(pd_server, name), 60, "streams on the joined worker")
+        time.sleep(0.3)
+        os.kill(engine_core_pid(w.pid), signal.SIGKILL)
+        w.proc.wait(60)
+        assert w.proc.returncode == 4  # the engine died: restart me
+        assert "its engine died" in w.log()
+        assert s.results() == refs
+        assert name not in {i for i, x in workers(pd_server).items() if x["state"] == "ready"}
+    finally:
+        w.stop()
+
+
+def test_prefill_engine_killed_under_load_and_serve_replaces_the_worker(pd_server, pd_client,
+                                                                        model_dir):
+    """kill -9 of the engine core of the pool's only prefill worker, with requests in flight:
+    each request completes or fails with a clear error, never short; `pdserve serve` starts a
+    new worker and serving resumes. The timeline is printed."""
+    [p] = [x for x in get_json(pd_server.base + "/pd/workers")
+           if x["role"] == "prefill" and x["state"] == "ready"]
+    results: list = []
+    stop = threading.Event()
+
+    def client_loop(k):
+        i = 0
+        while not stop.is_set():
+            i += 1
+            try:
+                ours, _ = complete(pd_client, model_dir, prompt_ids(400, 16_000 + 100 * k + i),
+                                   max_tokens=32, temperature=0)
+                results.append(("ok" if len(ours[0][1]) == 32 else "short", time.monotonic()))
+            except Exception as e:  # noqa: BLE001 - counted below
+                results.append((f"error {type(e).__name__}: {e}", time.monotonic()))
+                time.sleep(0.5)
+
+    threads = [threading.Thread(target=client_loop, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(3)
+        t_kill = time.monotonic()
+        os.kill(engine_core_pid(p["pid"]), signal.SIGKILL)
+        wait_for(lambda: p["id"] not in workers(pd_server), 30, "the worker to leave the pool")
+        t_left = time.monotonic()
+        wait_for(lambda: any(x["role"] == "prefill" and x["state"] == "ready"
+                             for x in get_json(pd_server.base + "/pd/workers")), 400,
+                 "a new prefill worker")
+        t_back = time.monotonic()
+        ok_after = lambda: sum(1 for r, t in results if r == "ok" and t > t_back)  # noqa: E731
+        wait_for(lambda: ok_after() >= 8, 120, "requests served by the new prefill worker")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(300)
+    outcomes = [r for r, _ in results]
+    errors = sorted({r for r in outcomes if r.startswith("error")})
+    print(f"\nprefill engine killed at t=0: worker left the pool at +{t_left - t_kill:.1f} s, "
+          f"new worker ready at +{t_back - t_kill:.1f} s; requests: {outcomes.count('ok')} "
+          f"whole, {outcomes.count('short')} short, {len(outcomes) - outcomes.count('ok')}"
+          f" failed ({'; '.join(e[:120] for e in errors) or 'none'})")
+    assert outcomes.count("short") == 0
+    assert "exited with code 4" in pd_server.proc.log()
+    assert all(_clear(e) for e in errors)
+
+
+def _clear(error: str) -> bool:
+    """A failure the client can act on: an HTTP error naming the missing role or the cause."""
+    return "no prefill worker" in error or "failed on" in error or "503" in error

@@ -1,0 +1,254 @@
+"""`pdserve serve`'s supervision: workers that exit are restarted with backoff, the controller
+exiting ends serve, stopping stops everything. Cheap child commands stand in for the workers."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from pdserve.launcher import (Backoff, Child, ChildExited, Supervisor, stop_children, supervise,
+                              wait_ready)
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeProc:
+    def __init__(self):
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+
+class FakeChild(Child):
+    def __init__(self, name: str):
+        super().__init__(name, FakeProc())
+        self.signals: list[int] = []
+
+    def signal_group(self, sig: int) -> None:
+        self.signals.append(sig)
+
+
+class FakeSpawner:
+    def __init__(self):
+        self.started: list[FakeChild] = []
+
+    def __call__(self, name: str, cmd: list[str]) -> FakeChild:
+        self.started.append(FakeChild(name))
+        return self.started[-1]
+
+    def of(self, name: str) -> list[FakeChild]:
+        return [c for c in self.started if c.name == name]
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def spawner() -> FakeSpawner:
+    return FakeSpawner()
+
+
+@pytest.fixture
+def sup(clock, spawner) -> Supervisor:
+    return Supervisor(spawner, clock)
+
+
+def test_backoff_doubles_up_to_its_most() -> None:
+    b = Backoff(first=1, most=60, settle=60)
+    assert [b.delay(uptime=0.5) for _ in range(9)] == [1, 2, 4, 8, 16, 32, 60, 60, 60]
+
+
+def test_backoff_starts_over_after_a_child_stayed_up() -> None:
+    b = Backoff(first=1, most=60, settle=60)
+    assert [b.delay(5), b.delay(5), b.delay(5)] == [1, 2, 4]
+    assert b.delay(60) == 1  # up a minute: its crash is news, not a loop
+    assert b.delay(59) == 2
+
+
+def test_a_worker_that_exits_is_restarted_after_its_backoff(sup, clock, spawner, caplog) -> None:
+    sup.start("controller", ["ctl"], restart=False)
+    sup.start("prefill-1", ["w"])
+    first = spawner.of("prefill-1")[0]
+    clock.now += 30
+    first.proc.returncode = 1
+    with caplog.at_level(logging.INFO, logger="pdserve.serve"):
+        sup.check()
+        assert first.signals == [signal.SIGKILL]  # whatever it left in its group goes too
+        assert [c.name for c in sup.children] == ["controller"]  # waiting: nothing to stop
+        clock.now += 0.9
+        sup.check()
+        assert len(spawner.of("prefill-1")) == 1
+        clock.now += 0.1
+        sup.check()
+        assert len(spawner.of("prefill-1")) == 2 and sup.restarts("prefill-1") == 1
+        spawner.of("prefill-1")[1].proc.returncode = 1  # at once again: twice the wait
+        clock.now += 1
+        sup.check()
+        clock.now += 1.9
+        sup.check()
+        assert len(spawner.of("prefill-1")) == 2
+        clock.now += 0.1
+        sup.check()
+        assert len(spawner.of("prefill-1")) == 3
+    assert [r.getMessage() for r in caplog.records] == [
+        "prefill-1 exited with code 1; restarting in 1 s (restart 1)",
+        "prefill-1 exited with code 1; restarting in 2 s (restart 2)",
+    ]
+    assert [c.name for c in sup.children] == ["controller", "prefill-1"]
+
+
+def test_the_backoff_is_per_worker(sup, clock, spawner) -> None:
+    for name in ("prefill-1", "decode-1"):
+        sup.start(name, [name])
+    for _ in range(3):  # prefill-1 keeps failing: 1 + 2 + 4 s
+        spawner.of("prefill-1")[-1].proc.returncode = 1
+        sup.check()
+        clock.now += 4
+        sup.check()
+    spawner.of("decode-1")[-1].proc.returncode = -9
+    sup.check()
+    clock.now += 1
+    sup.check()
+    assert (len(spawner.of("prefill-1")), len(spawner.of("decode-1"))) == (4, 2)
+
+
+def test_the_controller_exiting_ends_serve(sup, spawner) -> None:
+    sup.start("controller", ["ctl"], restart=False)
+    spawner.of("controller")[0].proc.returncode = 1
+    with pytest.raises(ChildExited, match="controller exited with code 1"):
+        sup.check()
+    assert len(spawner.started) == 1
+
+
+def test_a_worker_every_controller_refused_is_not_restarted(sup, clock, spawner, caplog) -> None:
+    sup.start("decode-1", ["w"])
+    spawner.of("decode-1")[0].proc.returncode = 3
+    with caplog.at_level(logging.INFO, logger="pdserve.serve"):
+        sup.check()
+    for _ in range(5):
+        clock.now += 60
+        sup.check()
+    assert len(spawner.started) == 1 and sup.children == []
+    assert "decode-1 exited with code 3: every controller refused it" in caplog.text
+    assert "not restarting it" in caplog.text
+
+
+def python(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+# Like a worker and its engine core: a child in its group; "up" once both run.
+WORKER_WITH_ENGINE = python(
+    "import subprocess, sys, time\n"
+    "engine = subprocess.Popen([sys.executable, '-c', 'print(1, flush=True); "
+    "import time; time.sleep(300)'], stdout=subprocess.PIPE)\n"
+    "engine.stdout.readline(); print('up', flush=True); time.sleep(300)\n")
+
+
+@pytest.fixture
+def real_spawner():
+    """Spawners of real children; whatever a test leaves running is killed after it."""
+    children: list[Child] = []
+
+    def make(started: list[tuple[str, float]]):
+        def spawn(name: str, cmd: list[str]) -> Child:
+            started.append((name, time.monotonic()))
+            children.append(Child(name, subprocess.Popen(cmd, start_new_session=True,
+                                                         stdout=subprocess.PIPE, text=True)))
+            return children[-1]
+
+        return spawn
+
+    yield make
+    for c in children:
+        c.signal_group(signal.SIGKILL)
+        c.proc.wait(30)
+        c.proc.stdout.close()
+
+
+def gone(pgid: int, timeout: float = 10.0) -> bool:
+    """Whether nothing of process group `pgid` is left (init reaps orphans: give it time)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_the_loop_restarts_a_crashing_worker_with_growing_waits(real_spawner, caplog) -> None:
+    started: list[tuple[str, float]] = []
+    sup = Supervisor(real_spawner(started), backoff=lambda: Backoff(first=0.2, most=0.4))
+    sup.start("prefill-1", python("import sys; sys.exit(1)"))
+    deadline = time.monotonic() + 60
+    with caplog.at_level(logging.INFO, logger="pdserve.serve"):
+        supervise(sup, lambda: sup.restarts("prefill-1") >= 3 or time.monotonic() > deadline,
+                  interval=0.02)
+    stop_children(sup.children, drain_timeout=5)
+    times = [t for _, t in started]
+    assert len(times) == 4
+    waits = [b - a for a, b in zip(times, times[1:])]
+    assert waits[0] >= 0.2 and waits[1] >= 0.4 and waits[2] >= 0.4
+    assert [r.getMessage() for r in caplog.records] == [
+        "prefill-1 exited with code 1; restarting in 0.2 s (restart 1)",
+        "prefill-1 exited with code 1; restarting in 0.4 s (restart 2)",
+        "prefill-1 exited with code 1; restarting in 0.4 s (restart 3)",
+    ]
+
+
+def test_stopping_stops_every_worker_and_restarts_none(real_spawner) -> None:
+    started: list[tuple[str, float]] = []
+    sup = Supervisor(real_spawner(started), backoff=lambda: Backoff(first=30))
+    # A worker with an engine-like grandchild in its group, and one that crashed and waits.
+    up = sup.start("decode-1", WORKER_WITH_ENGINE)
+    assert up.proc.stdout.readline() == "up\n"
+    sup.start("prefill-1", python("import sys; sys.exit(1)"))
+    t0 = time.monotonic()
+    supervise(sup, lambda: time.monotonic() - t0 > 1.5, interval=0.05)
+    assert sup.restarts("prefill-1") == 0 and [c.name for c in sup.children] == ["decode-1"]
+    stop_children(sup.children, drain_timeout=5)
+    assert up.proc.returncode is not None
+    assert gone(up.proc.pid)  # the grandchild too
+    assert [name for name, _ in started] == ["decode-1", "prefill-1"]
+
+
+def test_the_loop_ends_when_the_controller_exits(real_spawner) -> None:
+    sup = Supervisor(real_spawner([]))
+    sup.start("controller", python("import sys; sys.exit(2)"), restart=False)
+    deadline = time.monotonic() + 30
+    with pytest.raises(ChildExited, match="controller exited with code 2"):
+        supervise(sup, lambda: time.monotonic() > deadline, interval=0.02)
+
+
+def test_what_a_killed_worker_left_is_stopped_before_its_restart(real_spawner) -> None:
+    sup = Supervisor(real_spawner([]), backoff=lambda: Backoff(first=30))
+    w = sup.start("prefill-1", WORKER_WITH_ENGINE)
+    assert w.proc.stdout.readline() == "up\n"
+    os.kill(w.proc.pid, signal.SIGKILL)  # like kill -9 of a worker: its engine core lingers
+    w.proc.wait(30)
+    assert not gone(w.proc.pid, timeout=0.5)
+    sup.check()
+    assert gone(w.proc.pid)
+
+
+def test_waiting_for_the_pool_ends_when_serve_is_stopped() -> None:
+    t0 = time.monotonic()
+    assert wait_ready("http://127.0.0.1:9", 1, [], timeout=30, stopping=lambda: True) is False
+    assert time.monotonic() - t0 < 5
