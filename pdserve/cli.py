@@ -25,6 +25,9 @@ def _serve_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve serve",
                                 description="Serve P/D on this machine with one command.")
     p.add_argument("--model", default=None, help="model folder (default: the built-in tiny model)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the name requests give as \"model\" (default: \"tiny\" for the built-in "
+                        "model, else the --model path, as vLLM does)")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers")
     p.add_argument("--decode", type=int, default=1, help="decode workers")
     p.add_argument("--host", default="127.0.0.1")
@@ -40,6 +43,12 @@ def _serve_parser() -> argparse.ArgumentParser:
                    help="extra argument for the controller (repeat), e.g. --controller-arg=--api-key=X")
     p.add_argument("--worker-arg", action="append", default=[],
                    help="extra argument for every worker (repeat)")
+    p.add_argument("--log-dir", default=None,
+                   help="folder for the controller's and workers' logs (default: a new folder "
+                        "under ~/.cache/pdserve/runs, or $PDSERVE_CACHE/runs; the newest 20 "
+                        "are kept)")
+    p.add_argument("--verbose", action="store_true",
+                   help="print the controller's and workers' logs here instead of to files")
     return p
 
 

@@ -6,12 +6,14 @@ from http import HTTPStatus
 
 from vllm.exceptions import GracefulHTTPError
 
+from pdserve.protocol import Role
+
 
 class NoWorkerAvailable(GracefulHTTPError):
     """No live worker of a role that the request needs (503: retry later or elsewhere)."""
 
-    def __init__(self, side: str, waited: float):
-        super().__init__(f"no {side} worker is available (waited {waited:.0f} s)",
+    def __init__(self, side: Role, waited: float):
+        super().__init__(f"no {side.label} worker is available (waited {waited:.0f} s)",
                          HTTPStatus.SERVICE_UNAVAILABLE)
         self.side = side
 

@@ -25,7 +25,6 @@ import asyncio
 import hashlib
 import logging
 import random
-import signal
 import struct
 import time
 import uuid
@@ -37,7 +36,7 @@ from typing import Any
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from pdserve.protocol import EngineInfo, Load, Role
-from pdserve.worker.engine import FORCED_TOKENS_ARG
+from pdserve.worker.engine import FORCED_TOKENS_ARG, expected_info
 
 logger = logging.getLogger(__name__)
 
@@ -69,19 +68,10 @@ def token_text(token: int) -> str:
 
 
 def fake_info(**overrides: Any) -> EngineInfo:
-    fields = {"model": MODEL, "tokenizer": MODEL, "block_size": 16, "dtype": "float32",
-              "kv_connector": "nixl", "max_model_len": 4096}
+    fields: dict[str, Any] = {"model": MODEL, "tokenizer": MODEL, "block_size": 16,
+                              "dtype": "float32", "kv_connector": "nixl", "max_model_len": 4096}
     fields.update(overrides)
     return EngineInfo(**fields)
-
-
-def info_for_config(vllm_config) -> EngineInfo:
-    """The EngineInfo a controller built on `vllm_config` expects (see server.expected_info)."""
-    import msgspec
-
-    from pdserve.worker.engine import engine_info
-
-    return msgspec.structs.replace(engine_info(vllm_config), kv_connector="nixl")
 
 
 @dataclass
@@ -234,7 +224,7 @@ class FakeEngine:
         if remote.dead:
             raise RuntimeError(f"KV transfer failed: prefill engine {remote.engine_id} is dead")
         remote._expire()
-        rid = kv.get("remote_request_id")
+        rid = kv.get("remote_request_id", "")
         hold = remote._held.pop(rid, None)
         if hold is None:
             raise RuntimeError(f"KV transfer failed: {remote.engine_id} holds no blocks for "
@@ -324,19 +314,13 @@ class FakeEngine:
     async def release(self, request_id: str, kv_transfer_params: dict[str, Any]) -> None:
         remote = ENGINES.get(kv_transfer_params.get("remote_engine_id", ""))
         if remote is not None:
-            remote._held.pop(kv_transfer_params.get("remote_request_id"), None)
+            remote._held.pop(kv_transfer_params.get("remote_request_id", ""), None)
 
     def load(self) -> Load:
         self._expire()
         used = sum(h.blocks for h in self._held.values()) + sum(self._active.values())
         return Load(running=len(self._active), waiting=0,
                     kv_usage=min(1.0, used / self.num_blocks))
-
-    def decode_params(self, raw: bytes):
-        import msgspec
-        from vllm import SamplingParams
-
-        return msgspec.msgpack.decode(raw, type=SamplingParams)
 
     async def check_health(self) -> None:
         self._check_alive()
@@ -390,31 +374,32 @@ async def _run_worker(args) -> int:
     import vllm.outputs  # noqa: F401  # before registering: no request waits for this import
 
     from pdserve import transport
+    from pdserve.worker.main import exit_code, stop_on_signals
 
     info = fake_info()
     if args.model:
         from vllm.engine.arg_utils import AsyncEngineArgs
 
-        info = info_for_config(AsyncEngineArgs(model=args.model, dtype="float32",
-                                               enforce_eager=True).create_engine_config())
+        info = expected_info(AsyncEngineArgs(model=args.model, dtype="float32",
+                                             enforce_eager=True).create_engine_config())
     keys = transport.Keys.load(args.keys) if args.keys else None
     worker = fake_worker(Role[args.role.upper()], args.controller, worker_id=args.worker_id,
                          keys=keys, heartbeat_interval=args.heartbeat_interval, info=info,
                          drain_timeout=args.drain_timeout, decode_delay=args.decode_delay,
                          prefill_delay_per_token=args.prefill_delay_per_token)
-    loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, lambda: asyncio.ensure_future(worker.drain()))
-    loop.add_signal_handler(signal.SIGINT, worker.stop)
-    await worker.run()
-    worker.engine.shutdown()
-    return 3 if all(link.refused for link in worker.links) else 0
+    stop_on_signals(worker)  # as a real worker: the first signal drains, a second stops
+    try:
+        await worker.run()
+    finally:
+        worker.engine.shutdown()
+    return exit_code(worker)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pdserve.fake")
     sub = parser.add_subparsers(dest="command", required=True)
     w = sub.add_parser("worker", help="a PDWorker around a FakeEngine")
-    w.add_argument("--role", required=True, choices=["prefill", "decode", "both"])
+    w.add_argument("--role", required=True, choices=[r.label for r in Role])
     w.add_argument("--controller", action="append", required=True)
     w.add_argument("--worker-id", default=None)
     w.add_argument("--keys", default=None)

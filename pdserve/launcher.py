@@ -1,18 +1,22 @@
 """`pdserve serve`: a controller and N prefill + M decode workers on this machine, as children.
 
-Each child runs in its own process group (an engine's core process is a grandchild), so stopping
-a child stops its whole tree. Once the pool is ready, a worker that exits is restarted after a
-backoff (1 s, doubling up to 60 s; back to 1 s after it stayed up a minute), except one that every
-controller refused (exit code 3: it would be refused again); the controller exiting ends serve.
-Ctrl-C / SIGTERM drains the workers, then stops everything (a worker waiting for its restart is
-not started again) and removes the temporary files this command created.
+Start: check the ports and the memory (pdserve/preflight.py) -> start the controller and the
+workers, each child's output going to its own log file in a run folder (or, with --verbose, to
+this terminal) -> one line per child as it comes up -> `pdserve ready: URL` and a request to
+try. A child that exits during start-up ends serve with the end of its log.
+
+Once the pool is ready, a worker that exits is restarted with a backoff and the controller
+exiting ends serve (pdserve/supervisor.py). Ctrl-C / SIGTERM drains the workers, then stops
+everything (a worker waiting for its restart is not started again; a second Ctrl-C stops
+everything at once) and removes the temporary files this command created; the logs stay.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
+import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -21,27 +25,14 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
 
-from pdserve.worker.main import EXIT_REFUSED
+from pdserve import preflight
+from pdserve.models import BUILTIN_MODEL_NAME, cache_dir, default_model_dir, resolve_model
+from pdserve.supervisor import Child, ChildExited, Supervisor, stop_children, supervise
 
-logger = logging.getLogger("pdserve.serve")
-
-
-class ChildExited(RuntimeError):
-    """A child serve cannot go on without exited: the controller, or any child at start-up."""
-
-
-@dataclass
-class Child:
-    name: str
-    proc: subprocess.Popen
-
-    def signal_group(self, sig: int) -> None:
-        try:
-            os.killpg(self.proc.pid, sig)
-        except ProcessLookupError:
-            pass
+RUNS_KEPT = 20  # run folders kept under the cache (the newest)
 
 
 def assign_cores(n_engines: int, cores: list[int]) -> list[str | None]:
@@ -51,7 +42,8 @@ def assign_cores(n_engines: int, cores: list[int]) -> list[str | None]:
     if n_engines == 0 or n_engines > len(cores):
         return [None] * n_engines
     share, extra = divmod(len(cores), n_engines)
-    out, start = [], 0
+    out: list[str | None] = []
+    start = 0
     for i in range(n_engines):
         mine = cores[start:start + share + (i < extra)]
         start += len(mine)
@@ -70,37 +62,114 @@ def worker_command(role: str, controller: str, model: str, cores: str | None,
     return cmd + extra
 
 
-def _get_json(url: str, timeout: float = 2.0):
+def _get_json(url: str, timeout: float = 2.0) -> Any:
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return json.loads(r.read())
 
 
 def wait_ready(base: str, expected: int, children: list[Child], timeout: float,
-               stopping: Callable[[], bool] = lambda: False) -> bool:
+               stopping: Callable[[], bool] = lambda: False,
+               progress: Callable[[list[dict]], None] | None = None) -> bool:
     """True once `expected` workers are ready; False if `stopping()` turns true first. A child
-    exiting now is an error, not restarted: at start-up it is most likely a wrong flag."""
+    exiting now is an error, not restarted: at start-up it is most likely a wrong flag.
+    `progress` is given the pool (/pd/workers) each time the controller answers."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if stopping():
             return False
         for c in children:
             if c.proc.poll() is not None:
-                raise ChildExited(f"{c.name} exited with code {c.proc.returncode} during start-up")
+                raise ChildExited(f"{c.name} exited with code {c.proc.returncode} during "
+                                  "start-up", c)
         try:
             workers = _get_json(base + "/pd/workers")
+        except OSError:
+            workers = None
+        if workers is not None:
+            if progress is not None:
+                progress(workers)
             if sum(w["state"] == "ready" for w in workers) >= expected:
                 return True
-        except OSError:
-            pass
         time.sleep(0.5)
     raise TimeoutError(f"the pool was not ready after {timeout:.0f} s")
 
 
+class StartProgress:
+    """One line per child as serve starts: when it starts, then when it is up (the controller
+    answers) or ready (a worker is ready in the pool), with the time since serve began."""
+
+    def __init__(self, out: TextIO, clock: Callable[[], float] = time.monotonic):
+        self.out, self.clock, self.t0 = out, clock, clock()
+        self.done: set[str] = set()
+
+    def say(self, text: str) -> None:
+        print(f"pdserve: {text}", file=self.out, flush=True)
+
+    def elapsed(self) -> str:
+        return f"{self.clock() - self.t0:.0f} s"
+
+    def seen(self, workers: list[dict], children: list[Child]) -> None:
+        if "controller" not in self.done:
+            self.done.add("controller")
+            self.say(f"controller up ({self.elapsed()})")
+        ready = {w.get("pid") for w in workers if w["state"] == "ready"}
+        for c in children:
+            if c.name not in self.done and c.proc.pid in ready:
+                self.done.add(c.name)
+                self.say(f"{c.name} ready ({self.elapsed()})")
+
+
+def preflight_problem(args) -> str | None:
+    """What would stop this serve from starting, found before anything starts."""
+    if args.port == args.worker_port:
+        return f"--port and --worker-port are both {args.port}: give them different ports"
+    problem = (preflight.port_problem(args.host, args.port, "--port")
+               or preflight.port_problem("127.0.0.1", args.worker_port, "--worker-port"))
+    if problem is None and preflight.cpu_build():
+        model = args.model or str(default_model_dir())
+        problem = preflight.memory_problem(args.prefill + args.decode,
+                                           preflight.kv_cache_gib(args.worker_arg),
+                                           preflight.weights_gib(model),
+                                           preflight.available_gib())
+    return problem
+
+
+def run_folder(log_dir: str | None) -> Path:
+    """Where this run's logs go: --log-dir, or a new dated folder under the cache, of which
+    the newest RUNS_KEPT are kept."""
+    if log_dir:
+        path = Path(log_dir)
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    root = cache_dir() / "runs"
+    path = root / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    path.mkdir(parents=True)
+    runs = sorted(p for p in root.iterdir() if re.fullmatch(r"\d{8}-\d{6}-\d+", p.name))
+    for old in runs[:-RUNS_KEPT]:
+        shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
+def log_tail(path: Path, lines: int = 25) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
 def serve(args) -> int:
-    from pdserve.models import ensure_model
     from pdserve.transport import keygen
 
-    model = args.model or str(ensure_model("tiny"))
+    problem = preflight_problem(args)
+    if problem:
+        print(f"pdserve serve: {problem}", file=sys.stderr)
+        return 1
+    model = resolve_model(args.model)
+    name = args.served_model_name or (None if args.model else BUILTIN_MODEL_NAME)
+    logs = None if args.verbose else run_folder(args.log_dir)
     tmp = tempfile.mkdtemp(prefix="pdserve-serve-")
     keys = args.keys
     if keys is None and not args.no_keys:
@@ -110,159 +179,82 @@ def serve(args) -> int:
     env.setdefault("VLLM_RPC_BASE_PATH", tmp)
 
     def spawn(name: str, cmd: list[str]) -> Child:
-        return Child(name, subprocess.Popen(cmd, env=env, start_new_session=True))
+        if logs is None:
+            return Child(name, subprocess.Popen(cmd, env=env, start_new_session=True,
+                                                stdin=subprocess.DEVNULL))
+        with open(logs / f"{name}.log", "ab") as log:  # a restarted child appends
+            proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=log,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        return Child(name, proc, logs / f"{name}.log")
 
     sup = Supervisor(spawn)
     ctl = [sys.executable, "-m", "pdserve.cli", "controller", "--model", model,
            "--host", args.host, "--port", str(args.port), "--worker-host", "127.0.0.1",
-           "--worker-port", str(args.worker_port), *args.controller_arg]
+           "--worker-port", str(args.worker_port),
+           # serve's own polling while it starts, not worth a line each
+           "--disable-access-log-for-endpoints", "/pd/workers"]
+    if name:
+        ctl += ["--served-model-name", name]
     if keys:
         ctl += ["--keys", keys]
-    stopping = False
+    ctl += args.controller_arg
+    signals: list[int] = []
 
     def on_signal(signum, _frame):
-        nonlocal stopping
-        stopping = True
+        signals.append(signum)
+        if len(signals) > 1:  # again: stop at once
+            for c in sup.children:
+                c.signal_group(signal.SIGKILL)
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     base = f"http://{args.host}:{args.port}"
+    progress = StartProgress(sys.stdout)
+    if logs is not None:
+        progress.say(f"logs in {logs}")
     try:
         sup.start("controller", ctl, restart=False)
+        progress.say(f"controller starting ({base})")
         controller_url = f"tcp://127.0.0.1:{args.worker_port}"
         roles = ["prefill"] * args.prefill + ["decode"] * args.decode
         cores = assign_cores(len(roles), sorted(os.sched_getaffinity(0)))
         counts: dict[str, int] = {}
         for role, core in zip(roles, cores):
             counts[role] = counts.get(role, 0) + 1
-            sup.start(f"{role}-{counts[role]}", worker_command(role, controller_url, model, core,
-                                                               keys, args.worker_arg))
-        if not wait_ready(base, len(roles), sup.children, args.start_timeout, lambda: stopping):
-            return 0
-        print(f"pdserve ready: {base}/v1  ({args.prefill} prefill, {args.decode} decode; "
-              f"pool at {base}/pd/workers, dashboard at {base}/pd/dashboard)", flush=True)
-        supervise(sup, lambda: stopping)
+            child = f"{role}-{counts[role]}"
+            sup.start(child, worker_command(role, controller_url, model, core, keys,
+                                            args.worker_arg))
+            progress.say(f"{child} loading its engine" + (f" (cores {core})" if core else ""))
+        if wait_ready(base, len(roles), sup.children, args.start_timeout, lambda: bool(signals),
+                      lambda workers: progress.seen(workers, sup.children)):
+            print(f"pdserve ready: {base}/v1  ({args.prefill} prefill, {args.decode} decode; "
+                  f"pool at {base}/pd/workers, dashboard at {base}/pd/dashboard)", flush=True)
+            print(try_it(base, name or model), flush=True)
+            supervise(sup, lambda: bool(signals))
         return 0
-    except (RuntimeError, TimeoutError) as e:
+    except ChildExited as e:
         print(f"pdserve serve: {e}", file=sys.stderr)
+        if e.child is not None and e.child.log is not None:
+            print(f"the end of {e.child.log}:\n{log_tail(e.child.log)}", file=sys.stderr)
+        return 1
+    except (RuntimeError, TimeoutError) as e:
+        where = f"; logs in {logs}" if logs is not None else ""
+        print(f"pdserve serve: {e}{where}", file=sys.stderr)
         return 1
     finally:
+        t0 = time.monotonic()
+        if signals:
+            what = "Ctrl-C" if signals[0] == signal.SIGINT else signal.Signals(signals[0]).name
+            progress.say(f"stopping ({what}): draining the workers; Ctrl-C again stops at once")
         stop_children(sup.children, drain_timeout=args.drain_timeout)
         shutil.rmtree(tmp, ignore_errors=True)
         for s, h in old.items():
             signal.signal(s, h)
+        if signals:
+            progress.say(f"stopped in {time.monotonic() - t0:.0f} s")
 
 
-def supervise(sup: Supervisor, stopping: Callable[[], bool], interval: float = 0.5) -> None:
-    """Restart workers that exit until `stopping()`; raises ChildExited if the controller exits."""
-    while not stopping():
-        sup.check()
-        time.sleep(interval)
-
-
-@dataclass
-class Backoff:
-    """Seconds to wait before each restart of one child: `first`, doubling up to `most`; a
-    child that stayed up `settle` seconds before exiting starts again from `first`."""
-
-    first: float = 1.0
-    most: float = 60.0
-    settle: float = 60.0
-    _next: float = field(default=0.0, init=False, repr=False)
-
-    def delay(self, uptime: float) -> float:
-        if uptime >= self.settle or not self._next:
-            self._next = self.first
-        delay, self._next = self._next, min(self._next * 2, self.most)
-        return delay
-
-
-@dataclass
-class _Supervised:
-    name: str
-    cmd: list[str]
-    restart: bool
-    backoff: Backoff
-    child: Child | None = None
-    started: float = 0.0
-    due: float | None = None  # when its restart is due, while it waits for one
-    restarts: int = 0
-
-
-class Supervisor:
-    """Starts children and restarts those that exit, after a backoff. `spawn` starts one child
-    (in its own process group) and `clock` tells the time: both are seams for tests."""
-
-    def __init__(self, spawn: Callable[[str, list[str]], Child],
-                 clock: Callable[[], float] = time.monotonic,
-                 backoff: Callable[[], Backoff] = Backoff):
-        self._spawn, self._clock, self._backoff = spawn, clock, backoff
-        self._all: list[_Supervised] = []
-
-    @property
-    def children(self) -> list[Child]:
-        """The children running now (not those waiting for their restart)."""
-        return [s.child for s in self._all if s.child is not None]
-
-    def restarts(self, name: str) -> int:
-        return next(s.restarts for s in self._all if s.name == name)
-
-    def start(self, name: str, cmd: list[str], restart: bool = True) -> Child:
-        s = _Supervised(name, cmd, restart, self._backoff())
-        self._all.append(s)
-        self._run(s)
-        return s.child
-
-    def check(self) -> None:
-        """Notice children that exited, and restart those whose backoff is over."""
-        now = self._clock()
-        for s in list(self._all):
-            if s.child is not None and (code := s.child.proc.poll()) is not None:
-                self._exited(s, code, now)
-            elif s.due is not None and now >= s.due:
-                s.restarts += 1
-                self._run(s)
-
-    def _run(self, s: _Supervised) -> None:
-        s.child, s.started, s.due = self._spawn(s.name, s.cmd), self._clock(), None
-
-    def _exited(self, s: _Supervised, code: int, now: float) -> None:
-        s.child.signal_group(signal.SIGKILL)  # whatever it left running in its group
-        s.child = None
-        if not s.restart:
-            raise ChildExited(f"{s.name} exited with code {code}")
-        if code == EXIT_REFUSED:
-            self._all.remove(s)
-            logger.error("%s exited with code %d: every controller refused it (see its log "
-                         "above); not restarting it, it would be refused again", s.name, code)
-            return
-        delay = s.backoff.delay(now - s.started)
-        s.due = now + delay
-        logger.warning("%s exited with code %d; restarting in %g s (restart %d)", s.name, code,
-                       delay, s.restarts + 1)
-
-
-def stop_children(children: list[Child], drain_timeout: float) -> None:
-    """SIGTERM workers (they drain), then the controller; SIGKILL whatever is left."""
-    workers = [c for c in children if c.name != "controller"]
-    for c in workers:
-        c.signal_group(signal.SIGTERM)
-    _wait(workers, drain_timeout)
-    for c in children:
-        if c.proc.poll() is None:
-            c.signal_group(signal.SIGTERM)
-    _wait(children, 15)
-    for c in children:
-        c.signal_group(signal.SIGKILL)  # also reaps engine processes left in the group
-        try:
-            c.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            pass
-
-
-def _wait(children: list[Child], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    for c in children:
-        try:
-            c.proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
+def try_it(base: str, model: str) -> str:
+    """A request to copy and paste."""
+    body = json.dumps({"model": model, "prompt": "def main(", "max_tokens": 16})
+    return (f"  try: curl {base}/v1/completions -H 'content-type: application/json' "
+            f"-d {shlex.quote(body)}\n  Ctrl-C stops everything.")

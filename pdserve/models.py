@@ -120,6 +120,16 @@ def ensure_model(preset: str = "tiny", seed: int = 0) -> Path:
     return out
 
 
+# What `pdserve serve` and `pdserve controller` name the model they build when given none (the
+# "model" of a request); a model given with --model keeps vLLM's default, its path.
+BUILTIN_MODEL_NAME = "tiny"
+
+
+def resolve_model(model: str | None, preset: str = "tiny") -> str:
+    """`model` when given, else the cached model of `preset` (built the first time)."""
+    return model or str(ensure_model(preset))
+
+
 def _shape(preset: str) -> ModelShape:
     try:
         return PRESETS[preset]

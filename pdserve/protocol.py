@@ -32,15 +32,20 @@ class VersionMismatch(ProtocolError):
 
 
 class Role(enum.IntEnum):
+    """A worker's role; PREFILL and DECODE also name the two sides of a request."""
+
     PREFILL = 1
     DECODE = 2
     BOTH = 3
 
-    def serves_prefill(self) -> bool:
-        return self in (Role.PREFILL, Role.BOTH)
+    @property
+    def label(self) -> str:
+        """"prefill", "decode" or "both", as the command line, /pd/workers and metrics say it."""
+        return self.name.lower()
 
-    def serves_decode(self) -> bool:
-        return self in (Role.DECODE, Role.BOTH)
+    def serves(self, side: Role) -> bool:
+        """Whether a worker of this role takes work on `side` (PREFILL or DECODE)."""
+        return self in (side, Role.BOTH)
 
 
 class Phase(enum.IntEnum):
@@ -208,7 +213,8 @@ _TYPES: dict[MsgType, type[_Msg]] = {
 }
 _TYPE_OF = {cls: t for t, cls in _TYPES.items()}
 _ENCODER = msgspec.msgpack.Encoder()
-_DECODERS = {t: msgspec.msgpack.Decoder(cls) for t, cls in _TYPES.items()}
+_DECODERS: dict[MsgType, msgspec.msgpack.Decoder[Any]] = {
+    t: msgspec.msgpack.Decoder(cls) for t, cls in _TYPES.items()}
 
 Message = (Register | RegisterAck | Heartbeat | Drain | Unregister | Generate | Abort | Output
            | Ping)

@@ -6,9 +6,11 @@ with its worker id as the ZMQ identity. All messages of a pair travel over that 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import zmq
 import zmq.asyncio
@@ -134,8 +136,8 @@ def send_nowait(sock: zmq.asyncio.Socket, msg: protocol._Msg, to: bytes | None =
     """Send without waiting; raises zmq.Again if the peer's queue is full or it is unreachable."""
     frames = protocol.encode(msg)
     # An asyncio socket reports a failed send on the future it returns, never by raising.
-    fut = sock.send_multipart(frames if to is None else [to, *frames], flags=zmq.NOBLOCK,
-                              copy=False)
+    fut = cast("asyncio.Future[Any]", sock.send_multipart(
+        frames if to is None else [to, *frames], flags=zmq.NOBLOCK, copy=False))
     if fut.done():
         fut.result()
     else:  # queued behind a pending send: its error can only be logged

@@ -14,7 +14,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -22,13 +21,9 @@ import tempfile
 import time
 import urllib.request
 
+from pdserve.net import free_port
+
 LENGTHS = [16, 64, 128, 256, 512, 1024, 2000]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def stream(base: str, model: str, prompt: list[int], max_tokens: int) -> tuple[float, list[float]]:

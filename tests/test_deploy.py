@@ -10,6 +10,7 @@ known not to be a no-op.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -297,6 +298,17 @@ def test_hpas_scale_the_worker_pools_on_controller_metrics(rendered):
     prefill_metrics = {m["external"]["metric"]["name"]
                        for m in get(ex, "HorizontalPodAutoscaler", "pdserve-prefill")["spec"]["metrics"]}
     assert prefill_metrics == {"pdserve_worker_waiting_requests"}
+
+
+def test_overlay_provisions_the_grafana_dashboard(rendered):
+    """deploy/kubernetes/grafana: a ConfigMap for Grafana's sidecar (queries: test_grafana.py)."""
+    cm = get(rendered["example"], "ConfigMap", "pdserve-grafana-dashboard")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert cm["metadata"]["namespace"] == "pdserve"
+    assert list(cm["data"]) == ["pdserve-dashboard.json"]
+    text = cm["data"]["pdserve-dashboard.json"]
+    assert text == (KUBE / "grafana" / "pdserve-dashboard.json").read_text()
+    assert json.loads(text)["uid"] == "pdserve"
 
 
 # --- the image --------------------------------------------------------------------------------

@@ -12,8 +12,9 @@ import time
 
 import pytest
 
-from pdserve.launcher import (Backoff, Child, ChildExited, Supervisor, stop_children, supervise,
-                              wait_ready)
+from pdserve.launcher import wait_ready
+from pdserve.supervisor import (Backoff, Child, ChildExited, Supervisor, stop_children,
+                                supervise)
 
 
 class FakeClock:

@@ -1,7 +1,7 @@
 """The serving configurations the benchmark starts, one at a time, on this machine's cores.
 
 - XpYd: `pdserve serve --prefill X --decode Y` as the launcher runs it (a controller, then X
-  prefill and Y decode workers, one core each while there are enough cores).
+  prefill and Y decode workers, the cores split evenly between them while there are enough).
 - colocated (N engines): the same controller with N workers of role `both` and a local-prefill
   threshold above any prompt, so each request runs whole on one engine with vLLM's chunked
   prefill, behind the same HTTP front end as P/D.
@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Self
 
 from pdserve import launcher
-from pdserve.bench.procs import free_port
+from pdserve.net import free_port
+from pdserve.supervisor import Child, stop_children
 from pdserve.worker.engine import parse_cores
 
 ALL_LOCAL = 10**9  # a local-prefill threshold no prompt reaches
@@ -98,19 +99,19 @@ class Deployment(abc.ABC):
 
     def __init__(self, logdir: Path):
         self.logdir = logdir
-        self.children: list[launcher.Child] = []
+        self.children: list[Child] = []
         self.base_url = ""
         logdir.mkdir(parents=True, exist_ok=True)
 
     def spawn(self, name: str, cmd: list[str], env: dict[str, str],
-              cpus: set[int] | None = None) -> launcher.Child:
+              cpus: set[int] | None = None) -> Child:
         """Start a child in its own process group; `cpus`: keep it and its children there."""
         pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
         with open(self.logdir / f"{name}.log", "ab") as log:
             proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True,
                                     preexec_fn=pin)
-        child = launcher.Child(name, proc)
+        child = Child(name, proc)
         self.children.append(child)
         return child
 
@@ -123,7 +124,7 @@ class Deployment(abc.ABC):
         return {c.name: c.proc.pid for c in self.children}
 
     def stop(self) -> None:
-        launcher.stop_children(self.children, drain_timeout=20)
+        stop_children(self.children, drain_timeout=20)
         self.children.clear()
 
     def __enter__(self) -> Self:

@@ -21,6 +21,8 @@ from typing import Any
 
 from pdserve.bench import cluster, metrics, procs, report, workload
 from pdserve.bench.client import ClientRun, run_client, run_measured
+from pdserve.bench.procs import stop_on_sigterm
+from pdserve.models import resolve_model
 
 logger = logging.getLogger("pdserve.bench")
 
@@ -89,14 +91,6 @@ def prompts_for(rate: float, args: argparse.Namespace) -> int:
     if args.num_prompts:
         return int(args.num_prompts)
     return max(8, round(rate * float(args.duration)))
-
-
-def resolve_model(args: argparse.Namespace) -> str:
-    if args.model:
-        return str(args.model)
-    from pdserve.models import ensure_model
-
-    return str(ensure_model(args.preset))
 
 
 def run_config(cfg: cluster.Config, entry: dict[str, Any], args: argparse.Namespace, model: str,
@@ -169,18 +163,6 @@ def measure_rate(name: str, index: int, rate: float, url: str, groups: dict[str,
             "raw": str(result.relative_to(out))}
 
 
-def stop_on_sigterm() -> None:
-    """SIGTERM (and SIGINT, even where a shell ignores it for background jobs) unwind like
-    Ctrl-C, so every configuration that is up gets stopped as a whole."""
-    import signal
-
-    def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, interrupt)
-    signal.signal(signal.SIGINT, interrupt)
-
-
 def quiet(args: argparse.Namespace) -> float:
     waited = procs.wait_quiet(args.quiet_below, args.quiet_timeout)
     if waited > 5:
@@ -221,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = Path(args.out or f"bench-results/{stamp}")
     out.mkdir(parents=True, exist_ok=True)
-    model = resolve_model(args)
+    model = resolve_model(args.model, args.preset)
     results: dict[str, Any] = {"meta": meta(argv, args, model, classes, slo, rates, stamp),
                                "configs": {}}
     records: dict[tuple[str, float], list[metrics.Record]] = {}

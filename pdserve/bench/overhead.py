@@ -21,6 +21,7 @@ from typing import Any
 
 from pdserve.bench import cluster, metrics, procs, report, workload
 from pdserve.bench.client import ClientRun, run_client, run_measured
+from pdserve.models import resolve_model
 from pdserve.worker.engine import parse_cores
 
 logger = logging.getLogger("pdserve.bench.overhead")
@@ -95,7 +96,7 @@ def part_a(args: argparse.Namespace, model: str, out: Path) -> dict[str, Any]:
     return res
 
 
-def fake_worker_cmd(model: str):  # type: ignore[no-untyped-def]
+def fake_worker_cmd(model: str) -> cluster.WorkerCmd:
     def cmd(role: str, controller: str, core: str | None, keys: str | None) -> list[str]:
         c = [sys.executable, "-m", "pdserve.fake", "worker", "--role", role, "--controller",
              controller, "--model", model]
@@ -188,18 +189,11 @@ def markdown(res: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = make_parser().parse_args(argv)
-    from pdserve.bench.main import stop_on_sigterm
-
-    stop_on_sigterm()
+    procs.stop_on_sigterm()
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = Path(args.out or f"bench-results/overhead-{stamp}")
     (out / "raw").mkdir(parents=True, exist_ok=True)
-    if args.model:
-        model = args.model
-    else:
-        from pdserve.models import ensure_model
-
-        model = str(ensure_model(args.preset))
+    model = resolve_model(args.model, args.preset)
     res: dict[str, Any] = {"command": "pdserve bench overhead " + shlex.join(argv),
                            "model": model, "date": stamp}
 

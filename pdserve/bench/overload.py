@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench import cluster, report, scrape
+from pdserve.bench import cluster, procs, report, scrape
 from pdserve.bench.metrics import percentiles
+from pdserve.models import resolve_model
 
 OUTCOMES = ("served", "refused", "queue_timeout", "failed")
 
@@ -147,6 +148,11 @@ async def _offer(session, url: str, payloads, rate: float, duration: float, phas
                  args: argparse.Namespace, rng: random.Random, results: list[Result]) -> int:
     """Open-loop Poisson arrivals for `duration` s; returns arrivals skipped by the client bound."""
     tasks: set[asyncio.Task] = set()
+
+    def done(task: asyncio.Task) -> None:
+        tasks.discard(task)
+        results.append(task.result())
+
     skipped = 0
     start = time.monotonic()
     t = 0.0
@@ -161,7 +167,7 @@ async def _offer(session, url: str, payloads, rate: float, duration: float, phas
         task = asyncio.create_task(_request(session, url, next(payloads), phase,
                                             args.client_timeout))
         tasks.add(task)
-        task.add_done_callback(lambda d: (tasks.discard(d), results.append(d.result())))
+        task.add_done_callback(done)
     await asyncio.gather(*tasks)
     return skipped
 
@@ -235,7 +241,7 @@ async def drive(base: str, model: str, pid: int, args: argparse.Namespace) -> di
             "rss_samples": rss}
 
 
-def fake_workers(model: str, decode_delay: float):  # type: ignore[no-untyped-def]
+def fake_workers(model: str, decode_delay: float) -> cluster.WorkerCmd:
     def cmd(role: str, controller: str, core: str | None, keys: str | None) -> list[str]:
         return [sys.executable, "-m", "pdserve.fake", "worker", "--role", role, "--controller",
                 controller, "--model", model, "--decode-delay", str(decode_delay)]
@@ -243,11 +249,7 @@ def fake_workers(model: str, decode_delay: float):  # type: ignore[no-untyped-de
 
 
 def run(args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    model = args.model
-    if not model:
-        from pdserve.models import ensure_model
-
-        model = str(ensure_model("tiny"))
+    model = resolve_model(args.model)
     ctl = ["--max-inflight", str(args.max_inflight), "--max-queued", str(args.max_queued),
            "--queue-timeout", str(args.queue_timeout)]
     cfg = cluster.Config("overload", prefill=1, decode=1)
@@ -289,9 +291,7 @@ def _pair(p: dict[str, float]) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = make_parser().parse_args(argv)
-    from pdserve.bench.main import stop_on_sigterm
-
-    stop_on_sigterm()
+    procs.stop_on_sigterm()
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = Path(args.out or f"bench-results/overload-{stamp}")
     out.mkdir(parents=True, exist_ok=True)

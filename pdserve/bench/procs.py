@@ -1,4 +1,5 @@
-"""CPU time of whole process groups, read from /proc (a worker's engine runs in child processes).
+"""CPU time of whole process groups, read from /proc (a worker's engine runs in child processes),
+and the benchmarks' other process helpers: waiting for a quiet machine, signals that unwind.
 
 Only processes alive when sampled are counted: CPU of a process that exits between two samples
 is lost, which is fine for the long-lived engines measured here.
@@ -7,10 +8,12 @@ is lost, which is fine for the long-lived engines measured here.
 from __future__ import annotations
 
 import os
-import socket
+import signal
 import time
 from collections.abc import Iterable
 from pathlib import Path
+
+from pdserve.net import free_port  # noqa: F401  (bench.soak takes it from here)
 
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -106,12 +109,6 @@ def measure_idle(groups: dict[str, int], seconds: float) -> dict[str, dict[str, 
     return meter.stop()
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 def machine() -> dict[str, object]:
     """What the results were measured on (and how busy it was when they started)."""
     info: dict[str, object] = {"cpus": sorted(os.sched_getaffinity(0))}
@@ -124,3 +121,14 @@ def machine() -> dict[str, object]:
     except OSError:
         pass
     return info
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM (and SIGINT, even where a shell ignores it for background jobs) unwind like
+    Ctrl-C, so every configuration that is up gets stopped as a whole."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGINT, interrupt)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from http import HTTPStatus
 from typing import Any
 
@@ -21,10 +21,11 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from pdserve.controller.admission import Admission, Ticket
 from pdserve.controller.metrics import Metrics
 from pdserve.controller.pool import Pool
-from pdserve.controller.requests import Sequence, Settings, State
 from pdserve.controller.router import make_policy
+from pdserve.controller.sequence import Sequence, Settings, State
 from pdserve.controller.stream import Stream
 from pdserve.errors import Refused
+from pdserve.protocol import Role
 
 logger = logging.getLogger(__name__)
 
@@ -57,12 +58,13 @@ class PDController(EngineClient):
         # Runs before a streaming response starts, so a missing role is a real HTTP 503
         # rather than an error event inside a 200 stream.
         # With local prefill on, a pool of decode workers alone can serve short prompts.
-        sides = ("decode",) if self.settings.local_prefill_threshold else ("prefill", "decode")
+        sides = ((Role.DECODE,) if self.settings.local_prefill_threshold
+                 else (Role.PREFILL, Role.DECODE))
         for side in sides:
             # A suspect worker may be back in a moment: the request waits for it (queue timeout).
             if not self.pool.registry.ready(side, suspect=True):
-                self.metrics.rejected_no_worker(side)
-                raise GracefulHTTPError(f"no {side} worker is available",
+                self.metrics.rejected_no_worker(side.label)
+                raise GracefulHTTPError(f"no {side.label} worker is available",
                                         HTTPStatus.SERVICE_UNAVAILABLE)
         # Likewise a full admission queue is a real 429 (with Retry-After, see server.py).
         try:
@@ -154,7 +156,8 @@ class PDController(EngineClient):
         return EngineDeadError()
 
     async def check_health(self) -> None:
-        missing = [side for side in ("prefill", "decode") if not self.pool.registry.ready(side)]
+        missing = [side.label for side in (Role.PREFILL, Role.DECODE)
+                   if not self.pool.registry.ready(side)]
         if missing:
             logger.warning("health: no ready %s worker", " or ".join(missing))
             raise EngineDeadError()
@@ -164,7 +167,7 @@ class PDController(EngineClient):
 
     async def notify_kv_transfer_request_rejected(self, request_id, kv_transfer_params, *,
                                                   data_parallel_rank=None) -> None:
-        # Clients' kv_transfer_params are never used by pdserve (see requests.leg_params), so
+        # Clients' kv_transfer_params are never used by pdserve (see sequence.leg_params), so
         # nothing was pinned on their behalf.
         return None
 
@@ -264,7 +267,7 @@ def _child_params(params, index: int, n: int):
     return child
 
 
-async def _merge_runs(runs: list[AsyncGenerator[None, None]]) -> AsyncGenerator[None, None]:
+async def _merge_runs(runs: list[AsyncIterator[None]]) -> AsyncIterator[None]:
     """Interleave several sequences' progress; the first error cancels the rest."""
     if len(runs) == 1:
         async for _ in runs[0]:

@@ -10,20 +10,33 @@ produced it; prompt tokens are counted once per request, never per engine.
 
 from __future__ import annotations
 
+import re
+import sys
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from pdserve.controller.registry import WorkerState
+from pdserve.controller.registry import Registry, WorkerState
 
 _LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
             10.0, 20.0, 40.0, 80.0)
 _TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
           0.5, 0.75, 1.0, 2.5, 5.0)
 RECENT = 2000  # requests kept for the dashboard's percentiles
+RECENT_FAILURES = 100  # failures kept for the dashboard's list
+
+
+class Failure(NamedTuple):
+    """A leg retried or migrated, or a request failed: for the live page's list."""
+
+    t: float  # wall clock
+    kind: str  # prefill_retry, migration or failed (the request)
+    worker: str  # the worker the error names, else the one the request was last sent to
+    reason: str
 
 
 class Metrics:
@@ -79,6 +92,8 @@ class Metrics:
         # Recent finished requests for the dashboard: (end time, outcome, ttft, tpot, e2e).
         self.recent: deque[tuple[float, str, float | None, float | None, float]] = deque(
             maxlen=RECENT)
+        self.recent_failures: deque[Failure] = deque(maxlen=RECENT_FAILURES)
+        self.pool: Registry | None = None  # set by watch_pool: names failures' workers
 
     def timeline(self, prompt_tokens: int) -> Timeline:
         self.prompt_tokens.inc(prompt_tokens)
@@ -96,7 +111,26 @@ class Metrics:
 
     def watch_pool(self, registry) -> None:
         """Export per-worker gauges from the pool registry at scrape time."""
+        self.pool = registry
         self.registry.register(_PoolCollector(registry))
+
+    def failed(self, kind: str, error: BaseException | None, last_worker: str | None) -> None:
+        reason = "" if error is None else (str(error) or type(error).__name__)
+        worker = self._culprit(error) or last_worker or ""
+        self.recent_failures.append(Failure(time.time(), kind, worker, reason[:300]))
+
+    def _culprit(self, error: BaseException | None) -> str | None:
+        """The worker an error names: its `worker_id` (WorkerLost, StepTimeout) or its cause's,
+        else a registered worker's id after the word "worker" in its message (WorkerFailed)."""
+        e = error
+        while e is not None:
+            wid = getattr(e, "worker_id", None)
+            if isinstance(wid, str):
+                return wid
+            e = e.__cause__
+        known = self.pool.workers if self.pool is not None else {}
+        return next((w for w in re.findall(r"\bworker ([^\s:]+)", str(error or ""))
+                     if w in known), None)
 
 
 class Timeline:
@@ -114,6 +148,7 @@ class Timeline:
         self.awaiting_decode = False
         self.failures = 0
         self.finished = False
+        self.worker: str | None = None  # the worker last given a leg of this request
 
     def queued(self) -> None:
         pass  # the request is waiting for a worker choice since `start` or its last failure
@@ -125,6 +160,7 @@ class Timeline:
 
     def prefill_started(self, worker_id: str) -> None:
         self._chosen()
+        self.worker = worker_id
         self.prefill_start = self.m.clock()
 
     def prefill_done(self, n_tokens: int) -> None:
@@ -136,9 +172,11 @@ class Timeline:
 
     def local(self, worker_id: str) -> None:
         self._chosen()
+        self.worker = worker_id
         self.m.local.inc()
 
     def decode_started(self, worker_id: str) -> None:
+        self.worker = worker_id
         if self.awaiting_decode and self.prefill_end is not None:
             self.m.handoff.observe(self.m.clock() - self.prefill_end)
         self.awaiting_decode = False
@@ -161,9 +199,13 @@ class Timeline:
         self.n_tokens += n
         self.m.generation_tokens.inc(n)
 
-    def retried(self, migrated: bool) -> None:
+    def retried(self, migrated: bool, error: BaseException | None = None) -> None:
+        """A leg failed and the sequence goes on elsewhere. The sequence calls this in its
+        `except` clause: `error` defaults to the exception being handled there."""
         self.failures += 1
-        self.m.retries.labels("migration" if migrated else "prefill_retry").inc()
+        kind = "migration" if migrated else "prefill_retry"
+        self.m.retries.labels(kind).inc()
+        self.m.failed(kind, error if error is not None else sys.exception(), self.worker)
 
     def finish(self, outcome: str) -> None:
         if self.finished:
@@ -175,6 +217,8 @@ class Timeline:
         self.m.requests.labels(outcome).inc()
         if outcome == "completed" and self.failures:
             self.m.recovered.inc()
+        if outcome == "failed":  # called as the request's error propagates: it is the reason
+            self.m.failed("failed", sys.exception(), self.worker)
         tpot = None
         if self.first is not None and self.last is not None and self.n_tokens > 1:
             tpot = (self.last - self.first) / (self.n_tokens - 1)
@@ -184,8 +228,8 @@ class Timeline:
 
 
 class _PoolCollector:
-    def __init__(self, registry):
-        self.pool = registry
+    def __init__(self, registry: Registry):
+        self.registry = registry
 
     def collect(self):
         running = GaugeMetricFamily("pdserve_worker_running_requests",
@@ -208,18 +252,18 @@ class _PoolCollector:
         suspicions = CounterMetricFamily(
             "pdserve_worker_suspicions", "Suspicions of silent workers, by how they ended: "
             "cleared (the worker spoke again: a false suspicion) or dead", labels=["outcome"])
-        now = self.pool.clock()
-        for w in self.pool.workers.values():
-            labels = [w.id, w.role.name.lower()]
+        now = self.registry.clock()
+        for w in self.registry.workers.values():
+            labels = [w.id, w.role.label]
             running.add_metric(labels, w.load.running)
             waiting.add_metric(labels, w.load.waiting)
             kv.add_metric(labels, w.load.kv_usage)
             inflight.add_metric(labels, w.inflight)
             age.add_metric(labels, now - w.last_seen)
-        counts = self.pool.counts()
+        counts = self.registry.counts()
         for role in sorted({role for role, _ in counts}):
             for state in WorkerState:  # zeros too, so that "suspect > 0" has a series to watch
                 workers.add_metric([role, state.value], counts.get((role, state.value), 0))
-        for outcome, n in self.pool.suspicions.items():
+        for outcome, n in self.registry.suspicions.items():
             suspicions.add_metric([outcome], n)
         yield from (running, waiting, kv, inflight, age, workers, suspicions)

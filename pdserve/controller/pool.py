@@ -26,7 +26,7 @@ import zmq.asyncio
 
 from pdserve import protocol, transport
 from pdserve.controller.registry import Registry, Worker
-from pdserve.protocol import EngineInfo
+from pdserve.protocol import EngineInfo, Role
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class Pool:
 
     @property
     def address(self) -> str:
-        return self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        return self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def start(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -150,7 +150,7 @@ class Pool:
                 self._unreleased.append((kv, leg_id, exclude, until))
 
     def _send_release(self, kv: dict, leg_id: str, exclude: str) -> bool:
-        decoders = [w for w in self.registry.ready("decode") if w.id != exclude]
+        decoders = [w for w in self.registry.ready(Role.DECODE) if w.id != exclude]
         if not decoders:
             return False
         d = min(decoders, key=lambda w: (w.score(), w.id))
@@ -166,7 +166,8 @@ class Pool:
         # blocks for a decode that will never come. Only its own blocks, at its own address.
         w = self.registry.by_identity(identity)
         kv = msg.kv_transfer_params or {}
-        if w is None or not w.serves("prefill") or kv.get("remote_host") not in (None, w.address):
+        if (w is None or not w.serves(Role.PREFILL)
+                or kv.get("remote_host") not in (None, w.address)):
             return
         if self.release_kv(kv, f"{msg.request_id}-orphan"):
             logger.info("released the blocks of %s on %s: its request was gone", msg.request_id,
@@ -178,7 +179,7 @@ class Pool:
 
     def _lost(self, worker: Worker, why: str) -> None:
         if self.registry.mark_dead(worker.id) is not None:
-            logger.warning("worker %s (%s) is dead: %s", worker.id, worker.role.name.lower(), why)
+            logger.warning("worker %s (%s) is dead: %s", worker.id, worker.role.label, why)
             self.on_worker_event("dead", worker)
             self.changed.set()
         for leg in [lg for lg in self.legs.values() if lg.worker.id == worker.id]:
@@ -230,8 +231,10 @@ class Pool:
         elif isinstance(msg, protocol.Register):
             self._on_register(identity, msg)
         elif isinstance(msg, protocol.Drain):
-            if self._from(identity, msg.worker_id) and self.registry.drain(msg.worker_id):
+            w = self.registry.drain(msg.worker_id) if self._from(identity, msg.worker_id) else None
+            if w is not None:
                 logger.info("worker %s is draining", msg.worker_id)
+                self.on_worker_event("draining", w)
                 self.changed.set()
         elif isinstance(msg, protocol.Unregister):
             if self._from(identity, msg.worker_id):
@@ -268,7 +271,7 @@ class Pool:
             for leg in [lg for lg in self.legs.values() if lg.worker is old]:
                 self._fail(leg, "worker restarted")
         logger.info("worker %s registered: role=%s address=%s:%d model=%s%s", worker.id,
-                    worker.role.name.lower(), worker.address, worker.kv_port, worker.info.model,
+                    worker.role.label, worker.address, worker.kv_port, worker.info.model,
                     " (replaced its earlier entry)" if note else "")
         self._reply(identity, self._accepted())
         self.on_worker_event("registered", worker)
@@ -298,7 +301,7 @@ class Pool:
         found = self.registry.expire()
         for w in found.suspected:
             logger.warning("worker %s (%s) is suspect: not heard from for %.1f s; no new work "
-                           "until it is, its %d legs keep running", w.id, w.role.name.lower(),
+                           "until it is, its %d legs keep running", w.id, w.role.label,
                            self.registry.clock() - w.last_seen, w.inflight)
             self.on_worker_event("suspect", w)
             self.changed.set()

@@ -54,8 +54,8 @@ class Worker:
     legs_total: int = 0  # request legs this controller has sent to the worker
     pid: int = 0
 
-    def serves(self, side: str) -> bool:
-        return self.role.serves_prefill() if side == "prefill" else self.role.serves_decode()
+    def serves(self, side: Role) -> bool:
+        return self.role.serves(side)
 
     def score(self) -> float:
         """Load as seen from here: the engine's last report plus what we sent since."""
@@ -64,7 +64,7 @@ class Worker:
     def as_json(self, now: float) -> dict:
         return {
             "id": self.id,
-            "role": self.role.name.lower(),
+            "role": self.role.label,
             "state": self.state.value,
             "address": self.address,
             "kv_port": self.kv_port,
@@ -190,8 +190,8 @@ class Registry:
                 return w
         return None
 
-    def ready(self, side: str, suspect: bool = False) -> list[Worker]:
-        """Workers that may be given new work on one side ("prefill" or "decode"); with
+    def ready(self, side: Role, suspect: bool = False) -> list[Worker]:
+        """Workers that may be given new work on one side (PREFILL or DECODE); with
         `suspect`, also those that may be again once heard from."""
         states = (WorkerState.READY, WorkerState.SUSPECT) if suspect else (WorkerState.READY,)
         return [w for w in self.workers.values() if w.state in states and w.serves(side)]
@@ -199,7 +199,7 @@ class Registry:
     def counts(self) -> dict[tuple[str, str], int]:
         out: dict[tuple[str, str], int] = {}
         for w in self.workers.values():
-            key = (w.role.name.lower(), w.state.value)
+            key = (w.role.label, w.state.value)
             out[key] = out.get(key, 0) + 1
         return out
 

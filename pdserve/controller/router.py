@@ -61,7 +61,7 @@ class LeastLoaded(Policy):
         self._turn += 1
         self._last[worker.id] = self._turn
         if len(self._last) > 4 * 1024:  # forget workers long gone
-            for wid in sorted(self._last, key=self._last.get)[:1024]:
+            for wid in sorted(self._last, key=lambda wid: self._last[wid])[:1024]:
                 del self._last[wid]
 
 

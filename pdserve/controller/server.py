@@ -11,17 +11,19 @@ import asyncio
 import logging
 import signal
 
-import msgspec
 from fastapi.responses import HTMLResponse, JSONResponse
 
 from pdserve import transport
 from pdserve.controller.admission import limits
 from pdserve.controller.client import PDController
+from pdserve.controller.history import History
 from pdserve.controller.metrics import Metrics
 from pdserve.controller.pool import Pool
-from pdserve.controller.requests import Settings
 from pdserve.controller.router import DECODE_POLICIES, PREFILL_POLICIES
+from pdserve.controller.sequence import Settings
 from pdserve.errors import Refused
+from pdserve.models import BUILTIN_MODEL_NAME, resolve_model
+from pdserve.worker.engine import expected_info
 
 logger = logging.getLogger("pdserve.controller")
 
@@ -78,6 +80,16 @@ def add_pd_args(parser) -> None:
                         "later tokens")
     g.add_argument("--max-retries", type=int, default=2,
                    help="failed legs per sequence that are retried or migrated")
+    g.add_argument("--dashboard-interval", type=_sample_interval, default=5.0,
+                   help="seconds between the samples /pd/dashboard charts (1 to 60); it keeps "
+                        "an hour of them in memory (controller/history.py states the bound)")
+
+
+def _sample_interval(text: str) -> float:
+    value = float(text)
+    if not 1.0 <= value <= 60.0:
+        raise argparse.ArgumentTypeError(f"must be 1 to 60 seconds, not {text}")
+    return value
 
 
 def make_parser():
@@ -115,14 +127,8 @@ def controller_config(args):
     return engine_args.create_engine_config()
 
 
-def expected_info(vllm_config):
-    from pdserve.worker.engine import engine_info
-
-    info = engine_info(vllm_config)
-    return msgspec.structs.replace(info, kv_connector="nixl")
-
-
-def add_routes(app, controller: PDController, metrics: Metrics) -> None:
+def add_routes(app, controller: PDController, metrics: Metrics,
+               history: History | None = None) -> None:
     from pdserve.controller.dashboard import DASHBOARD_HTML, recent_stats
 
     @app.get("/pd/workers")
@@ -136,6 +142,11 @@ def add_routes(app, controller: PDController, metrics: Metrics) -> None:
     @app.get("/pd/dashboard")
     async def pd_dashboard():
         return HTMLResponse(DASHBOARD_HTML)
+
+    if history is not None:
+        @app.get("/pd/history")
+        async def pd_history(window: float = 300.0):
+            return JSONResponse(history.view(window))
 
     add_retry_after(app)
 
@@ -163,6 +174,7 @@ async def serve(args: argparse.Namespace) -> None:
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.app import build_app
     from vllm.entrypoints.launchers.launcher import serve_http, setup_server
+    from vllm.entrypoints.launchers.utils.server_utils import get_uvicorn_log_config
     from vllm.v1.metrics.prometheus import get_prometheus_registry
 
     vllm_config = controller_config(args)
@@ -176,7 +188,10 @@ async def serve(args: argparse.Namespace) -> None:
     registry = get_prometheus_registry()
     if registry is prometheus_client.REGISTRY:
         registry.register(metrics.registry)
+    history = History(metrics, interval=args.dashboard_interval)
+    pool.on_worker_event = history.worker_event
     pool.start()
+    sampler = asyncio.create_task(history.run())
     controller = PDController(vllm_config, pool, settings_from(args), metrics)
     logger.info("pdserve controller %s: workers register at %s%s", pool.id, pool.address,
                 " (CurveZMQ)" if keys else "")
@@ -184,9 +199,11 @@ async def serve(args: argparse.Namespace) -> None:
     listen_address, sock = setup_server(args, reuse_port=False)
     supported_tasks = await controller.get_supported_tasks()
     app = build_app(args, supported_tasks, controller.model_config)
-    add_routes(app, controller, metrics)
+    add_routes(app, controller, metrics, history)
     await init_app_state(controller, app.state, args, supported_tasks)
     logger.info("pdserve controller serving on %s", listen_address)
+    # vLLM's --log-config-file and --disable-access-log-for-endpoints, as its own server
+    log_config = get_uvicorn_log_config(args)
     try:
         shutdown_task = await serve_http(
             app, sock=sock, enable_ssl_refresh=args.enable_ssl_refresh, host=args.host,
@@ -194,10 +211,11 @@ async def serve(args: argparse.Namespace) -> None:
             access_log=not args.disable_uvicorn_access_log,
             ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
             ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
-            ssl_ciphers=args.ssl_ciphers)
+            ssl_ciphers=args.ssl_ciphers, **({"log_config": log_config} if log_config else {}))
         _enable_pdserve_loggers()
         await shutdown_task
     finally:
+        sampler.cancel()
         controller.shutdown()
         await pool.close()
         sock.close()
@@ -219,9 +237,8 @@ def main(argv: list[str] | None = None) -> None:
     if getattr(args, "model_tag", None) and not args.model:
         args.model = args.model_tag
     if not args.model:
-        from pdserve.models import ensure_model
-
-        args.model = str(ensure_model("tiny"))
+        args.model = resolve_model(None)
+        args.served_model_name = args.served_model_name or [BUILTIN_MODEL_NAME]
     validate_parsed_serve_args(args)
     try:
         settings_from(args)

@@ -11,6 +11,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import msgspec
+
 from pdserve import protocol
 from pdserve.protocol import EngineInfo, Load, Role
 
@@ -38,10 +40,6 @@ class Engine(Protocol):
         ...
 
     def load(self) -> Load: ...
-
-    def decode_params(self, raw: bytes) -> Any:
-        """Decode wire sampling params into the engine's SamplingParams."""
-        ...
 
     async def check_health(self) -> None: ...
 
@@ -77,7 +75,8 @@ def engine_env(s: EngineSettings, cpu: bool) -> dict[str, str]:
     env = {
         "VLLM_NIXL_SIDE_CHANNEL_HOST": s.advertise_host,
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(s.kv_port),
-        ENGINE_OWN_GROUP_ENV: "1",  # group signals stop the worker, not its engine
+        # The worker's pid: its engine core, and only it, moves to a group of its own.
+        ENGINE_OWN_GROUP_ENV: str(os.getpid()),
     }
     # UCX picks its transport and interface itself unless told; over loopback only TCP works.
     if "UCX_TLS" not in os.environ and cpu:
@@ -124,11 +123,11 @@ def configure(args, s: EngineSettings, cpu: bool):
     return args
 
 
-def default_engine_args(model: str, **kwargs):
-    from vllm.engine.arg_utils import AsyncEngineArgs
+def decode_params(raw: bytes) -> Any:
+    """vLLM SamplingParams from their wire form (msgspec, as the controller encodes them)."""
+    from vllm import SamplingParams
 
-    kwargs.setdefault("enforce_eager", True)
-    return AsyncEngineArgs(model=model, **kwargs)
+    return msgspec.msgpack.decode(raw, type=SamplingParams)
 
 
 def engine_info(vllm_config) -> EngineInfo:
@@ -142,6 +141,12 @@ def engine_info(vllm_config) -> EngineInfo:
         kv_connector=_connector_family(ktc.kv_connector if ktc else None),
         max_model_len=mc.max_model_len,
     )
+
+
+def expected_info(vllm_config) -> EngineInfo:
+    """What a controller on `vllm_config` (which has no connector) admits: workers on the
+    same model and settings, with a NIXL-family connector."""
+    return msgspec.structs.replace(engine_info(vllm_config), kv_connector="nixl")
 
 
 def _connector_family(name: str | None) -> str:
@@ -177,12 +182,6 @@ class VllmEngine:
 
     def load(self) -> Load:
         return self._stats.load
-
-    def decode_params(self, raw: bytes):
-        import msgspec
-        from vllm import SamplingParams
-
-        return msgspec.msgpack.decode(raw, type=SamplingParams)
 
     async def check_health(self) -> None:
         await self.llm.check_health()

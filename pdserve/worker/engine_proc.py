@@ -1,12 +1,15 @@
-"""Runs in each process of a worker's engine, as a vLLM general plugin (pyproject.toml).
+"""Runs in every vLLM process (a vLLM general plugin, pyproject.toml); acts in a worker's
+engine core only.
 
 A terminal's Ctrl-C, systemd's default stop and `kill -- -PGID` signal the worker's whole process
 group. vLLM's engine core shuts down at once on SIGINT/SIGTERM, so a group signal used to stop
-the engine under a worker that meant to drain (streams cut short). Each engine process therefore
-moves to a process group of its own: only the worker decides when its engine stops. So that no
-engine outlives its worker (kill -9 of the worker), each also asks the kernel for SIGKILL when
-its parent dies. Only processes started by a pdserve worker do this (the worker sets the
-environment variable below); a plain vLLM server in the same environment is left alone.
+the engine under a worker that meant to drain (streams cut short). The engine core therefore
+moves to a process group of its own (its model-runner processes, started later, join it): only
+the worker decides when its engine stops. So that no engine outlives its worker (kill -9 of the
+worker), the engine core asks the kernel for SIGTERM when the worker dies (vLLM's handler
+then shuts the engine down, model runners and shared memory included). The worker names
+itself in an environment variable; a process whose parent is not that worker (a plain vLLM
+server, the engine core's own children) is left alone.
 """
 
 from __future__ import annotations
@@ -22,10 +25,13 @@ _PR_SET_PDEATHSIG = 1
 
 
 def setup() -> None:
-    if os.environ.get(ENGINE_OWN_GROUP_ENV) != "1" or multiprocessing.parent_process() is None:
-        return  # the worker itself, or not under a pdserve worker
+    parent = multiprocessing.parent_process()
+    if parent is None or os.environ.get(ENGINE_OWN_GROUP_ENV) != str(parent.pid):
+        return  # the worker itself, the engine core's own children, or not under a worker
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
-    if os.getppid() != multiprocessing.parent_process().pid:
+    # SIGTERM, not SIGKILL: vLLM's handler then stops the model runners and frees the shared
+    # memory they hold (a SIGKILL left 160-400 MiB in /dev/shm per killed worker).
+    libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+    if os.getppid() != parent.pid:
         os._exit(1)  # the parent died before the request above: follow it
     os.setpgid(0, 0)

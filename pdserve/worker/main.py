@@ -16,11 +16,17 @@ import logging
 import os
 import signal
 import socket
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 from pdserve import transport
+from pdserve.models import resolve_model
+from pdserve.net import free_port
 from pdserve.protocol import Role
 from pdserve.worker import cores as claims  # `cores` names the --cores lists here
+
+if TYPE_CHECKING:
+    from pdserve.worker.worker import PDWorker
 
 logger = logging.getLogger("pdserve.worker")
 
@@ -32,7 +38,7 @@ def make_parser():
     parser = FlexibleArgumentParser(prog="pdserve worker",
                                     description="A vLLM engine serving one P/D role")
     g = parser.add_argument_group("pdserve worker")
-    g.add_argument("--role", required=True, choices=["prefill", "decode", "both"])
+    g.add_argument("--role", required=True, choices=[r.label for r in Role])
     g.add_argument("--controller", action="append", required=True, metavar="tcp://HOST:PORT",
                    help="controller worker port; repeat to serve several controllers")
     g.add_argument("--worker-id", default=None, help="stable id (default: role + random)")
@@ -67,12 +73,6 @@ def route_address(controller_url: str) -> str:
             return s.getsockname()[0]
         except OSError:
             return "127.0.0.1"
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host if host != "0.0.0.0" else "", 0))
-        return s.getsockname()[1]
 
 
 async def _health_server(port: int, worker) -> asyncio.AbstractServer:
@@ -110,7 +110,7 @@ async def run(args) -> int:
     worker = PDWorker(engine, role, args.controller, worker_id=args.worker_id, address=host,
                       kv_port=kv_port, keys=keys, heartbeat_interval=args.heartbeat_interval,
                       drain_timeout=args.drain_timeout)
-    _stop_on_signals(worker)
+    stop_on_signals(worker)
     health = await _health_server(args.health_port, worker) if args.health_port else None
     logger.info("worker %s (%s) up: KV side channel %s:%d, controllers %s", worker.worker_id,
                 args.role, host, kv_port, ", ".join(args.controller))
@@ -120,17 +120,21 @@ async def run(args) -> int:
         if health is not None:
             health.close()
         engine.shutdown()
-    if worker.engine_dead:
-        return EXIT_ENGINE_DEAD
-    refused = [lk.refused for lk in worker.links if lk.refused]
-    return EXIT_REFUSED if refused and len(refused) == len(worker.links) else 0
+    return exit_code(worker)
 
 
 EXIT_REFUSED = 3
 EXIT_ENGINE_DEAD = 4
 
 
-def _stop_on_signals(worker) -> None:
+def exit_code(worker: PDWorker) -> int:
+    """How a worker that has stopped exits (see the module docstring)."""
+    if worker.engine_dead:
+        return EXIT_ENGINE_DEAD
+    return EXIT_REFUSED if all(link.refused for link in worker.links) else 0
+
+
+def stop_on_signals(worker: PDWorker) -> None:
     """SIGTERM or SIGINT drains; a second one stops at once."""
     signals = []
 
@@ -220,8 +224,5 @@ def main(argv: list[str] | None = None) -> int:
         args.cores = claim.spec  # as if given: pinned, and the engine binds one thread per core
     if args.cores is not None:
         pin(args.cores)
-    if not args.model:
-        from pdserve.models import ensure_model
-
-        args.model = str(ensure_model("tiny"))
+    args.model = resolve_model(args.model)
     return asyncio.run(run(args))

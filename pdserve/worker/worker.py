@@ -40,7 +40,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 
 from pdserve import protocol, transport
 from pdserve.protocol import ErrorKind, Output, Phase, Role, SeqDelta, TokenLogprob
-from pdserve.worker.engine import FORCED_TOKENS_ARG, Engine
+from pdserve.worker.engine import FORCED_TOKENS_ARG, Engine, decode_params
 
 logger = logging.getLogger(__name__)
 
@@ -77,16 +77,15 @@ class PDWorker:
             raise ValueError("a worker needs at least one --controller")
         self.engine = engine
         self.role = role
-        self.worker_id = worker_id or f"{role.name.lower()}-{uuid.uuid4().hex[:8]}"
+        self.worker_id = worker_id or f"{role.label}-{uuid.uuid4().hex[:8]}"
         self.address = address
         self.kv_port = kv_port
         self.heartbeat_interval = heartbeat_interval
         self.drain_timeout = drain_timeout
         self.draining = False
         self.ctx = zmq.asyncio.Context()
-        self.links = [transport.worker_socket(self.ctx, url, self.worker_id, keys)
+        self.links = [_Link(url, transport.worker_socket(self.ctx, url, self.worker_id, keys))
                       for url in controllers]
-        self.links = [_Link(url, sock) for url, sock in zip(controllers, self.links)]
         self.tasks: dict[tuple[int, str], asyncio.Task] = {}
         # Decode legs whose task has not started: aborted now, their engine would never see
         # them, so the prefill worker's blocks must be released from here.
@@ -186,6 +185,7 @@ class PDWorker:
                                    now - link.last_heard, self._count(i))
                     link.registered = False
                     await self._abort_link(i)
+                msg: protocol.Heartbeat | protocol.Register
                 if link.registered:
                     msg = protocol.Heartbeat(self.worker_id, self.engine.load(), self.draining)
                 else:
@@ -226,7 +226,7 @@ class PDWorker:
         if ack.accepted:
             if not link.registered:
                 logger.info("registered with controller %s (%s) as %s %s", link.url,
-                            ack.controller_id, self.role.name.lower(), self.worker_id)
+                            ack.controller_id, self.role.label, self.worker_id)
             link.registered, link.controller_id = True, ack.controller_id
             link.interval, link.dead_after = ack.heartbeat_interval, ack.dead_after
         elif ack.reregister:
@@ -293,7 +293,7 @@ class PDWorker:
         rid = msg.request_id
         self.unstarted.pop((i, rid), None)  # from here on the engine owns it, and its abort
         try:
-            params = self.engine.decode_params(msg.sampling_params)
+            params = decode_params(msg.sampling_params)
             params = _params_for_phase(params, msg)
             if msg.phase == Phase.RELEASE:
                 await self.engine.release(rid, msg.kv_transfer_params or {})

@@ -14,7 +14,7 @@ from fakepool import HEARTBEAT, MISSED, Cluster, fast_settings  # noqa: E402
 from pdserve import fake  # noqa: E402
 from pdserve.controller.client import PDController  # noqa: E402
 from pdserve.controller.pool import Pool  # noqa: E402
-from pdserve.controller.requests import Settings  # noqa: E402
+from pdserve.controller.sequence import Settings  # noqa: E402
 
 FAKE_INFO = fake.fake_info()
 

@@ -15,7 +15,7 @@ from vllm.sampling_params import RequestOutputKind
 
 from pdserve import fake
 from pdserve.controller.client import PDController
-from pdserve.controller.requests import Settings
+from pdserve.controller.sequence import Settings
 from pdserve.protocol import Role
 from pdserve.worker.worker import PDWorker
 

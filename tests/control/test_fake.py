@@ -11,6 +11,7 @@ from vllm.outputs import RequestOutput
 
 from pdserve import fake
 from pdserve.fake import FakeEngine, reference
+from pdserve.worker.engine import decode_params, expected_info
 
 PROMPT = list(range(10, 50))  # 40 tokens: 3 blocks of 16
 
@@ -178,13 +179,12 @@ async def test_refuses_what_vllm_refuses():
 
 def test_decode_params_reads_vllm_sampling_params():
     p = params(7, stop_token_ids=[3], logprobs=2)
-    back = FakeEngine().decode_params(msgspec.msgpack.encode(p))
+    back = decode_params(msgspec.msgpack.encode(p))
     assert isinstance(back, SamplingParams)
     assert (back.max_tokens, back.stop_token_ids, back.logprobs) == (7, [3], 2)
 
 
-def test_info_matches_a_controller_on_the_same_config(vllm_config):
-    from pdserve.controller.server import expected_info
-
-    assert fake.info_for_config(vllm_config) == expected_info(vllm_config)
+def test_infos(vllm_config):
     assert fake.fake_info().block_size == 16 and fake.fake_info(dtype="x").dtype == "x"
+    # What `python -m pdserve.fake worker --model DIR` reports, and a controller on DIR admits.
+    assert expected_info(vllm_config).kv_connector == "nixl"

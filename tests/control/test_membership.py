@@ -8,6 +8,7 @@ from collections import Counter
 from fakepool import HEARTBEAT, MISSED, fast_settings, final_tokens, greedy, wait_until
 
 from pdserve import fake
+from pdserve.protocol import Role
 
 PROMPT = list(range(200, 236))
 
@@ -64,7 +65,7 @@ async def test_dead_worker_is_expired_and_gets_no_request(cluster):
     entry = cluster.pool.registry.workers[d1.worker_id]
     await wait_until(lambda: entry.state.value == "dead", 3 * HEARTBEAT * MISSED,
                      "d1 to expire")
-    assert d1.worker_id not in [w.id for w in cluster.pool.registry.ready("decode")]
+    assert d1.worker_id not in [w.id for w in cluster.pool.registry.ready(Role.DECODE)]
     for i in range(5):
         outs = await cluster.run(PROMPT + [i], greedy(4))
         assert final_tokens(outs) == fake.reference(PROMPT + [i], greedy(4)).token_ids

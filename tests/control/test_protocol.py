@@ -139,9 +139,10 @@ def test_random_and_mutated_frames_only_ever_raise_protocol_error():
 
 
 def test_roles():
-    assert Role.PREFILL.serves_prefill() and not Role.PREFILL.serves_decode()
-    assert Role.DECODE.serves_decode() and not Role.DECODE.serves_prefill()
-    assert Role.BOTH.serves_prefill() and Role.BOTH.serves_decode()
+    assert Role.PREFILL.serves(Role.PREFILL) and not Role.PREFILL.serves(Role.DECODE)
+    assert Role.DECODE.serves(Role.DECODE) and not Role.DECODE.serves(Role.PREFILL)
+    assert Role.BOTH.serves(Role.PREFILL) and Role.BOTH.serves(Role.DECODE)
+    assert [r.label for r in Role] == ["prefill", "decode", "both"]
 
 
 def test_engine_info_mismatches_name_the_field_and_both_values():

@@ -83,7 +83,7 @@ async def test_no_prefill_worker_is_a_503_not_a_hang(cluster):
     p, = await cluster.add("prefill")
     await cluster.add("decode")
     await cluster.kill(p.worker_id)
-    await wait_until(lambda: not cluster.pool.registry.ready("prefill"), 5, "prefill expiry")
+    await wait_until(lambda: not cluster.pool.registry.ready(Role.PREFILL), 5, "prefill expiry")
     with pytest.raises(GracefulHTTPError) as e:
         await cluster.run(PROMPT, greedy(4), timeout=10)
     assert e.value.http_status == HTTPStatus.SERVICE_UNAVAILABLE and "prefill" in str(e.value)

@@ -51,15 +51,15 @@ def tick(reg, clock, seconds: float, step: float = 0.5) -> tuple[set, set, set]:
 def test_register_makes_a_ready_worker(reg, clock):
     w, note = register(reg, "d1")
     assert note == "" and w.state == WorkerState.READY and w.last_seen == clock.t
-    assert [x.id for x in reg.ready("decode")] == ["d1"] and reg.ready("prefill") == []
+    assert [x.id for x in reg.ready(Role.DECODE)] == ["d1"] and reg.ready(Role.PREFILL) == []
     assert reg.by_identity(b"d1") is w and reg.by_identity(b"nobody") is None
 
 
 def test_both_role_serves_either_side(reg):
     register(reg, "b1", Role.BOTH)
     register(reg, "p1", Role.PREFILL)
-    assert {w.id for w in reg.ready("prefill")} == {"b1", "p1"}
-    assert {w.id for w in reg.ready("decode")} == {"b1"}
+    assert {w.id for w in reg.ready(Role.PREFILL)} == {"b1", "p1"}
+    assert {w.id for w in reg.ready(Role.DECODE)} == {"b1"}
 
 
 @pytest.mark.parametrize("field, value", [("model", "other"), ("tokenizer", "t2"),
@@ -97,8 +97,8 @@ def test_silence_is_suspicion_after_missed_intervals_exactly(reg, clock):
     assert [w.id for w in found.suspected] == ["d1"] and [w.id for w in found.probe] == ["d1"]
     assert found.dead == [] and reg.workers["d1"].state == WorkerState.SUSPECT
     # No new work for it, but it is not gone: its legs keep running, and it may come back.
-    assert [w.id for w in reg.ready("decode")] == ["d2"]
-    assert {w.id for w in reg.ready("decode", suspect=True)} == {"d1", "d2"}
+    assert [w.id for w in reg.ready(Role.DECODE)] == ["d2"]
+    assert {w.id for w in reg.ready(Role.DECODE, suspect=True)} == {"d1", "d2"}
     assert reg.counts() == {("decode", "suspect"): 1, ("decode", "ready"): 1}
     # Suspected once, probed at every check until it speaks or is dead.
     clock.t += 0.5
@@ -174,9 +174,9 @@ def test_drain_takes_a_worker_out_of_routing(reg, clock):
     clock.t += 1
     assert reg.drain("d1").state == WorkerState.DRAINING
     assert reg.workers["d1"].last_seen == clock.t
-    assert [w.id for w in reg.ready("decode")] == ["d2"]
+    assert [w.id for w in reg.ready(Role.DECODE)] == ["d2"]
     reg.heartbeat("d2", Load(), draining=True)  # a heartbeat can say so too
-    assert reg.ready("decode") == [] and reg.ready("decode", suspect=True) == []
+    assert reg.ready(Role.DECODE) == [] and reg.ready(Role.DECODE, suspect=True) == []
     assert reg.drain("ghost") is None
     # Silent draining workers are probed (they get no new work anyway), then dead.
     suspected, dead, probed = tick(reg, clock, 4.0)

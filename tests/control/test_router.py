@@ -29,7 +29,7 @@ def pool(n: int, role=Role.PREFILL) -> Registry:
     return reg
 
 
-def route(policy, reg, prompt=(), side="prefill"):
+def route(policy, reg, prompt=(), side=Role.PREFILL):
     w = policy.choose(reg.ready(side), prompt)
     policy.routed(w, prompt)
     return w
@@ -38,7 +38,7 @@ def route(policy, reg, prompt=(), side="prefill"):
 def test_round_robin_cycles_in_id_order_whatever_the_input_order():
     reg = pool(3)
     rr = RoundRobin()
-    picks = [rr.choose(list(reversed(reg.ready("prefill")))).id for _ in range(6)]
+    picks = [rr.choose(list(reversed(reg.ready(Role.PREFILL)))).id for _ in range(6)]
     assert picks == ["w0", "w1", "w2", "w0", "w1", "w2"]
 
 
@@ -47,9 +47,9 @@ def test_least_loaded_prefers_the_lowest_score_then_kv_usage():
     w0, w1, w2 = (reg.workers[f"w{i}"] for i in range(3))
     w0.load, w1.load, w2.load = Load(running=2), Load(running=1, kv_usage=0.9), Load(waiting=1)
     ll = LeastLoaded()
-    assert ll.choose(reg.ready("prefill")).id == "w2"  # score 1 ties w1; less KV in use
+    assert ll.choose(reg.ready(Role.PREFILL)).id == "w2"  # score 1 ties w1; less KV in use
     w2.inflight = 3  # our own in-flight requests count too
-    assert ll.choose(reg.ready("prefill")).id == "w1"
+    assert ll.choose(reg.ready(Role.PREFILL)).id == "w1"
 
 
 def test_least_loaded_spreads_one_at_a_time_arrivals_and_is_reproducible():
@@ -76,14 +76,14 @@ def test_power_of_two_picks_the_lighter_of_two_and_spreads():
     assert picks["w3"] == 0  # always paired with a lighter one
     assert min(picks[w] for w in ("w0", "w1", "w2", "w4")) > 400  # ties drawn at random
     one = pool(1)
-    assert p2.choose(one.ready("prefill")).id == "w0"
+    assert p2.choose(one.ready(Role.PREFILL)).id == "w0"
 
 
 def test_ties_break_by_id():
     reg = pool(3)
     a, b = PowerOfTwo(random.Random(1)), PrefixAware()
-    assert b.choose(reg.ready("prefill"), [1] * 40).id == "w0"
-    chosen = a.choose(reg.ready("prefill"))
+    assert b.choose(reg.ready(Role.PREFILL), [1] * 40).id == "w0"
+    chosen = a.choose(reg.ready(Role.PREFILL))
     assert chosen.id in reg.workers
 
 
@@ -98,7 +98,7 @@ def test_no_policy_ever_picks_a_dead_or_draining_worker(name):
     # Teach prefix affinity towards the workers that are about to be unavailable.
     for wid in ("w0", "w3"):
         policy.routed(reg.workers[wid], prompt)
-    for side in ("prefill", "decode"):
+    for side in (Role.PREFILL, Role.DECODE):
         for i in range(200):
             w = route(policy, reg, prompt if i % 2 else [i], side)
             assert w.id not in ("w0", "w3")
@@ -124,7 +124,7 @@ def test_longest_prefix_wins():
     pa.routed(reg.workers["w0"], [1, 2, 3, 4])
     pa.routed(reg.workers["w1"], [1, 2, 3, 4, 5, 6, 7, 8])
     assert pa.match([1, 2, 3, 4, 5, 6, 7, 8, 9]) == {"w1": 2}
-    assert pa.choose(reg.ready("prefill"), [1, 2, 3, 4, 5, 6, 7, 8, 9]).id == "w1"
+    assert pa.choose(reg.ready(Role.PREFILL), [1, 2, 3, 4, 5, 6, 7, 8, 9]).id == "w1"
 
 
 def test_short_prompts_have_no_affinity():
@@ -132,7 +132,7 @@ def test_short_prompts_have_no_affinity():
     pa = PrefixAware(block_size=16)
     reg.workers["w0"].inflight = 1
     pa.routed(reg.workers["w0"], [1, 2, 3])
-    assert pa.match([1, 2, 3]) == {} and pa.choose(reg.ready("prefill"), [1, 2, 3]).id == "w1"
+    assert pa.match([1, 2, 3]) == {} and pa.choose(reg.ready(Role.PREFILL), [1, 2, 3]).id == "w1"
 
 
 def test_a_hot_prefix_does_not_overload_its_holder():

@@ -10,6 +10,7 @@ from vllm.exceptions import GracefulHTTPError
 
 from pdserve import fake
 from pdserve.controller.registry import WorkerState
+from pdserve.protocol import Role
 
 PER_ROLE = 100
 MIN_ALIVE = 20
@@ -22,8 +23,8 @@ async def test_200_workers_with_churn(make_cluster):
     for role in ("prefill", "decode"):
         for _ in range(PER_ROLE):
             c.start(role, decode_delay=0.003)
-    await wait_until(lambda: len(c.pool.registry.ready("prefill")) == PER_ROLE
-                     and len(c.pool.registry.ready("decode")) == PER_ROLE, 30,
+    await wait_until(lambda: len(c.pool.registry.ready(Role.PREFILL)) == PER_ROLE
+                     and len(c.pool.registry.ready(Role.DECODE)) == PER_ROLE, 30,
                      "200 workers to register")
 
     # Every leg must go to a worker that is ready at the moment it is sent.

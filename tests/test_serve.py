@@ -1,0 +1,193 @@
+"""`pdserve serve` as a user meets it: a short start (one line per child, the ready line, a request
+to try), the children's logs in files, the built-in model's short name, errors that say what to
+change, and Ctrl-C. The controller is real; the workers are fake (pdserve.fake) so that no engine
+starts: a small driver runs the real command with `launcher.worker_command` swapped."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import pytest
+from procs import Proc, free_port, wait_for
+
+from pdserve import preflight
+from pdserve.launcher import RUNS_KEPT, StartProgress, run_folder, try_it
+from pdserve.supervisor import Child
+
+FAKE_WORKERS = """
+import sys
+from pdserve import launcher
+
+def fake(role, controller, model, cores, keys, extra):
+    cmd = [sys.executable, "-m", "pdserve.fake", "worker", "--role", role,
+           "--controller", controller, "--model", model]
+    return cmd + (["--keys", keys] if keys else [])
+
+launcher.worker_command = fake
+from pdserve.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+EXITING_WORKERS = """
+import sys
+from pdserve import launcher
+
+launcher.worker_command = lambda *_: [
+    sys.executable, "-c", "print('no such flag: --frobnicate'); raise SystemExit(2)"]
+from pdserve.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def serve(*args: str, driver: str | None = None) -> list[str]:
+    if driver is None:
+        return [sys.executable, "-m", "pdserve.cli", "serve", *args]
+    return [sys.executable, "-c", driver, "serve", *args]
+
+
+def post(url: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_a_quiet_start_a_short_name_and_ctrl_c(tmp_path) -> None:
+    port, wport = free_port(), free_port()
+    runs = tmp_path / "run"
+    p = Proc("serve", serve("--port", str(port), "--worker-port", str(wport), "--log-dir",
+                            str(runs), driver=FAKE_WORKERS), tmp_path)
+    try:
+        wait_for(lambda: "pdserve ready" in p.log(), 300, "pdserve serve", [p])
+        base = f"http://127.0.0.1:{port}"
+        status, body = post(base + "/v1/completions",
+                            {"model": "tiny", "prompt": "def main(", "max_tokens": 4})
+        assert status == 200 and body["model"] == "tiny", body
+        assert len(body["choices"][0]["text"]) > 0
+        status, body = post(base + "/v1/completions",
+                            {"model": "llama", "prompt": "x", "max_tokens": 2})
+        assert status == 404 and "llama" in json.dumps(body), body
+        start = time.monotonic()
+        p.signal(signal.SIGINT)
+        p.proc.wait(60)
+        stop_s = time.monotonic() - start
+    finally:
+        p.stop()
+    out = p.log()
+    lines = out.splitlines()
+    print(out)
+    ready = [ln for ln in lines if ln.startswith("pdserve ready: ")]
+    assert ready == [ln for ln in lines if "pdserve ready" in ln]
+    assert ready[0].startswith(f"pdserve ready: http://127.0.0.1:{port}/v1  (1 prefill, 1 decode")
+    # The start, one line per step, each child named once when it starts and once when it is up.
+    start = lines[:lines.index(ready[0])]
+    assert start[0] == f"pdserve: logs in {runs}"
+    for child, up in (("controller", "up"), ("prefill-1", "ready"), ("decode-1", "ready")):
+        assert sum(ln.startswith(f"pdserve: {child} ") for ln in start) == 2, (child, start)
+        assert any(ln.startswith(f"pdserve: {child} {up} (") and ln.endswith(" s)")
+                   for ln in start), (child, start)
+    assert len(start) == 7, start  # nothing of the children's own output
+    assert '"model": "tiny"' in out and f"curl http://127.0.0.1:{port}/v1/completions" in out
+    # Ctrl-C says so, and stops it all in seconds.
+    assert p.proc.returncode == 0 and stop_s < 30, (p.proc.returncode, stop_s)
+    assert lines[-2].startswith("pdserve: stopping (Ctrl-C): draining the workers")
+    assert lines[-1].startswith("pdserve: stopped in ")
+    # The children's logs went to the run folder, without serve's own polling.
+    logs = {f.name: f.read_text() for f in runs.iterdir()}
+    assert set(logs) == {"controller.log", "prefill-1.log", "decode-1.log"}
+    assert "pdserve controller serving on" in logs["controller.log"]
+    assert "POST /v1/completions" in logs["controller.log"]
+    assert "GET /pd/workers" not in logs["controller.log"]
+    assert "registered with controller" in logs["decode-1.log"]
+
+
+def test_a_child_that_exits_during_start_up_ends_serve_with_its_log(tmp_path) -> None:
+    port, wport = free_port(), free_port()
+    proc = subprocess.run(serve("--port", str(port), "--worker-port", str(wport), "--log-dir",
+                                str(tmp_path / "run"), driver=EXITING_WORKERS),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert "exited with code 2 during start-up" in proc.stderr
+    assert "no such flag: --frobnicate" in proc.stderr  # the end of its log
+
+
+def test_a_taken_port_fails_at_once_saying_what_to_change(tmp_path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        start = time.monotonic()
+        proc = subprocess.run(serve("--port", str(port), "--worker-port", str(free_port()),
+                                    "--log-dir", str(tmp_path / "run")),
+                              capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and time.monotonic() - start < 15
+    assert proc.stdout == ""
+    assert proc.stderr.splitlines() == [
+        f"pdserve serve: port {port} on 127.0.0.1 is in use by another program (another "
+        "pdserve?): stop it, or choose a free port with --port"]
+    assert not (tmp_path / "run").exists()  # nothing was started
+
+
+@pytest.mark.skipif(not preflight.cpu_build(), reason="the memory check is for CPU hosts")
+def test_too_little_memory_fails_at_once_saying_what_to_change(tmp_path) -> None:
+    proc = subprocess.run(serve("--prefill", "500", "--decode", "500", "--port", str(free_port()),
+                                "--worker-port", str(free_port())),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    [line] = proc.stderr.splitlines()
+    assert line.startswith("pdserve serve: not enough memory: 1000 worker(s) need about ")
+    assert line.endswith("start fewer workers (--prefill, --decode)")
+
+
+class _Proc:
+    def __init__(self, pid: int):
+        self.pid = pid
+
+
+def test_start_progress_names_each_child_once_it_is_up() -> None:
+    import io
+
+    now = [100.0]
+    out = io.StringIO()
+    progress = StartProgress(out, clock=lambda: now[0])
+    children = [Child("controller", _Proc(1)), Child("prefill-1", _Proc(2)),
+                Child("decode-1", _Proc(3))]
+    now[0] += 9.4
+    progress.seen([], children)
+    now[0] += 30
+    progress.seen([{"pid": 2, "state": "ready"}, {"pid": 3, "state": "suspect"}], children)
+    progress.seen([{"pid": 2, "state": "ready"}, {"pid": 3, "state": "ready"}], children)
+    assert out.getvalue().splitlines() == ["pdserve: controller up (9 s)",
+                                           "pdserve: prefill-1 ready (39 s)",
+                                           "pdserve: decode-1 ready (39 s)"]
+
+
+def test_the_request_to_try_quotes_the_model_for_the_shell() -> None:
+    line = try_it("http://127.0.0.1:8000", "/models/it's here").splitlines()[0]
+    words = shlex.split(line.removeprefix("  try: "))
+    assert words[:2] == ["curl", "http://127.0.0.1:8000/v1/completions"]
+    assert json.loads(words[words.index("-d") + 1])["model"] == "/models/it's here"
+
+
+def test_run_folders_keep_the_newest_and_nothing_else(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
+    runs = tmp_path / "runs"
+    old = [runs / f"20250101-0000{i:02d}-1" for i in range(RUNS_KEPT + 5)]
+    for d in old:
+        d.mkdir(parents=True)
+    (runs / "mine").mkdir()
+    new = run_folder(None)
+    assert new.parent == runs and new.is_dir()
+    left = sorted(p.name for p in runs.iterdir())
+    assert len(left) == RUNS_KEPT + 1 and "mine" in left and new.name in left
+    assert not old[5].exists() and old[6].exists()
+    assert run_folder(str(tmp_path / "given")) == tmp_path / "given"
