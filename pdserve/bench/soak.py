@@ -779,15 +779,23 @@ class Chaos:
             await asyncio.sleep(0.5)
         entry["result"] = f"not ready after {self.args.join_timeout:.0f} s"
 
-    async def drain(self, entry: dict[str, Any]) -> None:
+    async def _take_extra(self, entry: dict[str, Any]) -> tuple[launcher.Child, list[int]] | None:
+        """The joined worker and its process tree, its state noted in `entry`; None if none."""
         c = self.pool.release()
         if c is None:
             entry["result"] = "skipped: no extra worker"
-            return
+            return None
         entry |= {"worker": c.name, "pid": c.proc.pid}
         snap = tree(c.proc.pid)
         self.shm_ours |= shm_used(snap)
         await self._state(entry, c.name)
+        return c, snap
+
+    async def drain(self, entry: dict[str, Any]) -> None:
+        taken = await self._take_extra(entry)
+        if taken is None:
+            return
+        c, snap = taken
         c.signal_group(signal.SIGTERM)
         self.watch(self._drained(c, snap, entry))
 
@@ -808,14 +816,10 @@ class Chaos:
         entry["result"] += orphans(snap)
 
     async def kill(self, entry: dict[str, Any]) -> None:
-        c = self.pool.release()
-        if c is None:
-            entry["result"] = "skipped: no extra worker"
+        taken = await self._take_extra(entry)
+        if taken is None:
             return
-        entry |= {"worker": c.name, "pid": c.proc.pid}
-        snap = tree(c.proc.pid)
-        self.shm_ours |= shm_used(snap)
-        await self._state(entry, c.name)
+        c, snap = taken
         c.signal_group(signal.SIGKILL)  # the worker's group; its engine is to follow by itself
         self.watch(self._killed(c, snap, entry))
 

@@ -75,14 +75,22 @@ def route_address(controller_url: str) -> str:
             return "127.0.0.1"
 
 
-async def _health_server(port: int, worker) -> asyncio.AbstractServer:
+async def _health_server(port: int, worker, host: str = "0.0.0.0") -> asyncio.AbstractServer:
+    """GET /health: 200 once registered and not draining (for probes). GET /metrics: the
+    engine's own Prometheus series (vLLM's `vllm:` metrics), for scraping."""
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
     async def handle(reader, writer):
         try:
-            await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-            ok = any(link.registered for link in worker.links) and not worker.draining
-            status = b"200 OK" if ok else b"503 Service Unavailable"
-            body = b"ok\n" if ok else b"not registered or draining\n"
-            writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Type: text/plain\r\n"
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            ctype = b"text/plain"
+            if head.split(b" ", 2)[1:2] == [b"/metrics"]:
+                status, ctype, body = b"200 OK", CONTENT_TYPE_LATEST.encode(), generate_latest()
+            elif any(link.registered for link in worker.links) and not worker.draining:
+                status, body = b"200 OK", b"ok\n"
+            else:
+                status, body = b"503 Service Unavailable", b"not registered or draining\n"
+            writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Type: " + ctype + b"\r\n"
                          b"Content-Length: " + str(len(body)).encode() +
                          b"\r\nConnection: close\r\n\r\n" + body)
             await writer.drain()
@@ -91,7 +99,7 @@ async def _health_server(port: int, worker) -> asyncio.AbstractServer:
         finally:
             writer.close()
 
-    return await asyncio.start_server(handle, "0.0.0.0", port)
+    return await asyncio.start_server(handle, host, port)
 
 
 async def run(args) -> int:
