@@ -40,6 +40,20 @@ def engine_core_pid(worker_pid: int) -> int:
     raise AssertionError(f"no engine core under worker {worker_pid}")
 
 
+@pytest.fixture()
+def engine_shm():
+    """Call with a worker's pid before its engine core is killed with SIGKILL: the shared memory
+    the engine cannot free then is removed when the test ends (once no process uses it)."""
+    from pathlib import Path
+
+    from pdserve.bench.soak import shm_left, shm_used, tree
+
+    ours: set[str] = set()
+    yield lambda pid: ours.update(shm_used(tree(pid)))
+    for name in shm_left(ours, 0.0):
+        Path("/dev/shm", name).unlink(missing_ok=True)
+
+
 def ready(pd_server, worker_id: str) -> bool:
     return workers(pd_server).get(worker_id, {}).get("state") == "ready"
 
@@ -150,7 +164,8 @@ def test_second_ctrl_c_stops_at_once_and_the_streams_move(pd_server, pd_client, 
         w.stop()
 
 
-def test_engine_core_killed_under_a_worker(pd_server, pd_client, model_dir, logs, streams_case):
+def test_engine_core_killed_under_a_worker(pd_server, pd_client, model_dir, logs, streams_case,
+                                           engine_shm):
     name = "decode-0-engine-killed"
     prompts, refs = streams_case(15_000)
     w = joined_decode(name, pd_server, model_dir, logs)
@@ -158,6 +173,7 @@ def test_engine_core_killed_under_a_worker(pd_server, pd_client, model_dir, logs
         s = Streams(pd_client, model_dir, prompts)
         wait_for(lambda: on_worker(pd_server, name), 60, "streams on the joined worker")
         time.sleep(0.3)
+        engine_shm(w.pid)
         os.kill(engine_core_pid(w.pid), signal.SIGKILL)
         w.proc.wait(60)
         assert w.proc.returncode == 4  # the engine died: restart me
@@ -169,7 +185,7 @@ def test_engine_core_killed_under_a_worker(pd_server, pd_client, model_dir, logs
 
 
 def test_prefill_engine_killed_under_load_and_serve_replaces_the_worker(pd_server, pd_client,
-                                                                        model_dir):
+                                                                        model_dir, engine_shm):
     """kill -9 of the engine core of the pool's only prefill worker, with requests in flight:
     each request completes or fails with a clear error, never short; `pdserve serve` starts a
     new worker and serving resumes. The timeline is printed."""
@@ -196,6 +212,7 @@ def test_prefill_engine_killed_under_load_and_serve_replaces_the_worker(pd_serve
     try:
         time.sleep(3)
         t_kill = time.monotonic()
+        engine_shm(p["pid"])
         os.kill(engine_core_pid(p["pid"]), signal.SIGKILL)
         wait_for(lambda: p["id"] not in workers(pd_server), 30, "the worker to leave the pool")
         t_left = time.monotonic()
