@@ -144,7 +144,7 @@ def stop_children(children: list[Child], drain_timeout: float) -> None:
             c.signal_group(signal.SIGTERM)
     _wait(children, 15)
     for c in children:
-        c.signal_group(signal.SIGKILL)  # also reaps engine processes left in the group
+        c.signal_group(signal.SIGKILL)  # a worker's engine core then gets SIGTERM (engine_proc.py)
         try:
             c.proc.wait(5)
         except subprocess.TimeoutExpired:

@@ -41,7 +41,8 @@ class Proc:
             pass
 
     def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM the group, wait, then SIGKILL what is left (engine cores included)."""
+        """SIGTERM the group, wait, then SIGKILL what is left (a worker's engine core, in a group of
+        its own, is stopped by its worker or, if the worker is killed, by the kernel)."""
         self.signal(signal.SIGTERM)
         try:
             self.proc.wait(timeout)

@@ -6,7 +6,8 @@
   threshold above any prompt, so each request runs whole on one engine with vLLM's chunked
   prefill, behind the same HTTP front end as P/D.
 - vLLM's plain OpenAI server on one core (the controller-overhead baseline).
-Every child runs in its own process group (its engine processes too) and is stopped as a group.
+Every child runs in its own process group and is stopped as a group (a worker's engine core,
+in a group of its own, stops with its worker: pdserve/worker/engine_proc.py).
 """
 
 from __future__ import annotations

@@ -107,7 +107,7 @@ class Pool:
             transport.send_nowait(self.sock, msg, to=worker.identity)
         except zmq.ZMQError as e:  # EHOSTUNREACH (ROUTER_MANDATORY) or a full queue
             self.finish(leg)
-            self._lost(worker, f"send failed: {e}")
+            self.lost(worker, f"send failed: {e}")
             raise WorkerLost(worker.id, str(e)) from None
         return leg
 
@@ -116,10 +116,6 @@ class Pool:
             leg.done = True
             leg.worker.inflight = max(0, leg.worker.inflight - 1)
             self.legs.pop(leg.id, None)
-
-    def lost(self, worker: Worker, why: str) -> None:
-        """The worker can serve nothing more: mark it dead and fail every leg on it."""
-        self._lost(worker, why)
 
     def abort(self, leg: Leg) -> None:
         """Tell the worker to drop the leg (best effort) and stop tracking it."""
@@ -177,7 +173,8 @@ class Pool:
         leg.queue.put_nowait(WorkerLost(leg.worker.id, why))
         self.finish(leg)
 
-    def _lost(self, worker: Worker, why: str) -> None:
+    def lost(self, worker: Worker, why: str) -> None:
+        """The worker can serve nothing more: mark it dead and fail every leg on it."""
         if self.registry.mark_dead(worker.id) is not None:
             logger.warning("worker %s (%s) is dead: %s", worker.id, worker.role.label, why)
             self.on_worker_event("dead", worker)
@@ -306,7 +303,7 @@ class Pool:
             self.on_worker_event("suspect", w)
             self.changed.set()
         for w in found.dead:
-            self._lost(w, f"not heard from for {self.registry.dead_after:g} s")
+            self.lost(w, f"not heard from for {self.registry.dead_after:g} s")
         for w in found.probe:
             self._probe(w)
 
@@ -315,7 +312,7 @@ class Pool:
             transport.send_nowait(self.sock, protocol.Ping(self.id), to=worker.identity)
         except zmq.ZMQError as e:
             if e.errno == zmq.EHOSTUNREACH:
-                self._lost(worker, "silent, and its connection is gone")
+                self.lost(worker, "silent, and its connection is gone")
             # Else its queue is full: connected but not reading, so alive, only slow.
 
     def _heard(self, identity: bytes) -> None:

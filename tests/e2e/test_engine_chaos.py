@@ -2,9 +2,9 @@
 tests/control/test_chaos.py).
 
 Steady greedy load against the 1P1D `pd_server` plus an extra decode worker (core 1) and an extra
-prefill worker (core 0), while the extras are killed with SIGKILL (their whole process group,
-engine included) in the middle of their work and restarted under the same id. The pd_server's own
-prefill and decode workers stay alive, so a worker of each role is always there: every request
+prefill worker (core 0), while the extras are killed with SIGKILL (their whole process group;
+the engine core, in a group of its own, follows its worker) in the middle of their work and
+restarted under the same id. The pd_server's own prefill and decode workers stay alive, so a worker of each role is always there: every request
 must complete with exactly the plain engine's output; none may fail, and none may be lost (each
 returns within a bound).
 """

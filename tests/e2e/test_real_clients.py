@@ -95,6 +95,43 @@ def test_real_client_defaults_under_load(pd_server, model_dir):
     assert pool_pids(pd_server.base) == before
 
 
+def test_conversations_with_a_shared_system_prompt_come_back_turn_after_turn(pd_server,
+                                                                            model_dir):
+    """Chat as agents and chat apps send it: one long system prompt shared by every
+    conversation, each turn resending the whole conversation with the assistant's (randomly
+    sampled) replies in it, several conversations at once."""
+    rng = random.Random(21)
+    system = " ".join(rng.choice(WORDS) for _ in range(600))
+    before = pool_pids(pd_server.base)
+
+    async def conversation(client, k: int) -> list[str]:
+        messages = [{"role": "system", "content": system}]
+        reasons = []
+        for turn in range(4):
+            question = " ".join(rng.choice(WORDS) for _ in range(rng.randrange(40, 120)))
+            messages.append({"role": "user", "content": f"{k}.{turn} {question}"})
+            text, finish = "", None
+            async for chunk in await client.chat.completions.create(
+                    model=model_dir, messages=messages, max_tokens=40, stream=True):
+                for ch in chunk.choices:
+                    text += ch.delta.content or ""
+                    finish = ch.finish_reason or finish
+            reasons.append(finish or "none")
+            messages.append({"role": "assistant", "content": text})
+        return reasons
+
+    async def drive():
+        client = openai.AsyncOpenAI(base_url=pd_server.v1, api_key="none", timeout=300,
+                                    max_retries=0)
+        return await asyncio.gather(*(conversation(client, k) for k in range(8)))
+
+    reasons = [r for conv in asyncio.run(drive()) for r in conv]
+    print(f"\nconversations: 8 x 4 turns over a shared system prompt: "
+          f"{sum(r in ('length', 'stop') for r in reasons)} of {len(reasons)} whole")
+    assert all(r in ("length", "stop") for r in reasons), reasons
+    assert pool_pids(pd_server.base) == before
+
+
 def test_unseeded_random_sampling_varies_and_is_whole(pd_client, model_dir):
     """Random sampling really is random (pdserve no longer seeds it) and each answer is whole."""
     prompt = prompt_ids(300, seed=12_000)

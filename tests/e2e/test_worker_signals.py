@@ -92,10 +92,24 @@ def streams_case(ref_client, model_dir):
     return make
 
 
-def joined_decode(name, pd_server, model_dir, logs):
-    w = start_worker(name, "decode", pd_server, model_dir, logs)
-    wait_for(lambda: ready(pd_server, name), 300, f"decode worker {name}", [w])
-    return w
+@pytest.fixture()
+def busy_decode(pd_server, pd_client, model_dir, logs, streams_case):
+    """`start(name, seed)`: a decode worker joins, STREAMS streams start and some reach it;
+    returns (worker, streams, the plain engine's answers). The worker is stopped afterwards."""
+    started = []
+
+    def start(name: str, seed: int):
+        prompts, refs = streams_case(seed)
+        w = start_worker(name, "decode", pd_server, model_dir, logs)
+        started.append(w)
+        wait_for(lambda: ready(pd_server, name), 300, f"decode worker {name}", [w])
+        s = Streams(pd_client, model_dir, prompts)
+        wait_for(lambda: on_worker(pd_server, name), 60, "streams on the joined worker")
+        return w, s, refs
+
+    yield start
+    for w in started:
+        w.stop()
 
 
 def on_worker(pd_server, name: str) -> bool:
@@ -103,23 +117,15 @@ def on_worker(pd_server, name: str) -> bool:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
-def test_group_signal_drains_a_decode_worker(sig, pd_server, pd_client, model_dir, logs,
-                                             streams_case):
-    name = f"decode-0-group-{sig.name.lower()}"
-    prompts, refs = streams_case(13_000 + sig)
-    w = joined_decode(name, pd_server, model_dir, logs)
-    try:
-        s = Streams(pd_client, model_dir, prompts)
-        wait_for(lambda: on_worker(pd_server, name), 60, "streams on the joined worker")
-        w.signal(sig)  # the whole process group, engine core included
-        assert s.results() == refs
-        w.proc.wait(120)
-        assert w.proc.returncode == 0
-        log = w.log()
-        assert "draining" in log and "drained and unregistered" in log
-        assert "EngineCore: trigger received signal" not in log.split("draining")[0]
-    finally:
-        w.stop()
+def test_group_signal_drains_a_decode_worker(sig, busy_decode):
+    w, s, refs = busy_decode(f"decode-0-group-{sig.name.lower()}", 13_000 + sig)
+    w.signal(sig)  # the worker's whole process group, as a terminal or systemd sends it
+    assert s.results() == refs
+    w.proc.wait(120)
+    assert w.proc.returncode == 0
+    log = w.log()
+    assert "draining" in log and "drained and unregistered" in log
+    assert "EngineCore: trigger received signal" not in log.split("draining")[0]
 
 
 def test_group_ctrl_c_on_a_prefill_worker_mid_prefill(pd_server, pd_client, ref_client,
@@ -145,43 +151,28 @@ def test_group_ctrl_c_on_a_prefill_worker_mid_prefill(pd_server, pd_client, ref_
         w.stop()
 
 
-def test_second_ctrl_c_stops_at_once_and_the_streams_move(pd_server, pd_client, model_dir, logs,
-                                                          streams_case):
-    name = "decode-0-twice"
-    prompts, refs = streams_case(14_000)
-    w = joined_decode(name, pd_server, model_dir, logs)
-    try:
-        s = Streams(pd_client, model_dir, prompts)
-        wait_for(lambda: on_worker(pd_server, name), 60, "streams on the joined worker")
-        time.sleep(0.3)
-        w.signal(signal.SIGINT)
-        time.sleep(0.2)
-        w.signal(signal.SIGINT)
-        w.proc.wait(60)
-        assert "stopping now" in w.log()
-        assert s.results() == refs
-    finally:
-        w.stop()
+def test_second_ctrl_c_stops_at_once_and_the_streams_move(busy_decode):
+    w, s, refs = busy_decode("decode-0-twice", 14_000)
+    time.sleep(0.3)
+    w.signal(signal.SIGINT)
+    time.sleep(0.2)
+    w.signal(signal.SIGINT)
+    w.proc.wait(60)
+    assert "stopping now" in w.log()
+    assert s.results() == refs
 
 
-def test_engine_core_killed_under_a_worker(pd_server, pd_client, model_dir, logs, streams_case,
-                                           engine_shm):
+def test_engine_core_killed_under_a_worker(pd_server, engine_shm, busy_decode):
     name = "decode-0-engine-killed"
-    prompts, refs = streams_case(15_000)
-    w = joined_decode(name, pd_server, model_dir, logs)
-    try:
-        s = Streams(pd_client, model_dir, prompts)
-        wait_for(lambda: on_worker(pd_server, name), 60, "streams on the joined worker")
-        time.sleep(0.3)
-        engine_shm(w.pid)
-        os.kill(engine_core_pid(w.pid), signal.SIGKILL)
-        w.proc.wait(60)
-        assert w.proc.returncode == 4  # the engine died: restart me
-        assert "its engine died" in w.log()
-        assert s.results() == refs
-        assert name not in {i for i, x in workers(pd_server).items() if x["state"] == "ready"}
-    finally:
-        w.stop()
+    w, s, refs = busy_decode(name, 15_000)
+    time.sleep(0.3)
+    engine_shm(w.pid)
+    os.kill(engine_core_pid(w.pid), signal.SIGKILL)
+    w.proc.wait(60)
+    assert w.proc.returncode == 4  # the engine died: restart me
+    assert "its engine died" in w.log()
+    assert s.results() == refs
+    assert name not in {i for i, x in workers(pd_server).items() if x["state"] == "ready"}
 
 
 def test_prefill_engine_killed_under_load_and_serve_replaces_the_worker(pd_server, pd_client,
