@@ -58,6 +58,14 @@ class QueueTimeout(Refused):
         super().__init__(message, HTTPStatus.SERVICE_UNAVAILABLE, "queue_timeout", retry_after)
 
 
+class ShuttingDown(Refused):
+    """The controller is stopping (503): another replica, or this one restarted, will serve."""
+
+    def __init__(self) -> None:
+        super().__init__("this controller is shutting down", HTTPStatus.SERVICE_UNAVAILABLE,
+                         "shutting_down", 1)
+
+
 class TooManySequences(GracefulHTTPError):
     """A request asks for more sequences (n) than the controller ever runs at once (400)."""
 

@@ -357,9 +357,9 @@ def _top_logprobs(context: list[int], tok: int, k: int, vocab: int):
 _ports = iter(range(30000, 60000))
 
 
-def fake_worker(role: Role, controllers: list[str], *, worker_id: str | None = None,
+def fake_worker(role: Role, controllers, *, worker_id: str | None = None,
                 keys=None, heartbeat_interval: float = 1.0, drain_timeout: float = 30.0,
-                **engine_kwargs: Any):
+                discovery_interval: float | None = None, **engine_kwargs: Any):
     """A PDWorker around a new FakeEngine whose KV address matches the worker's registration."""
     from pdserve.worker.worker import PDWorker
 
@@ -367,7 +367,7 @@ def fake_worker(role: Role, controllers: list[str], *, worker_id: str | None = N
     engine = FakeEngine(**engine_kwargs)
     return PDWorker(engine, role, controllers, worker_id=worker_id, address=engine.address,
                     kv_port=engine.kv_port, keys=keys, heartbeat_interval=heartbeat_interval,
-                    drain_timeout=drain_timeout)
+                    drain_timeout=drain_timeout, discovery_interval=discovery_interval)
 
 
 async def _run_worker(args) -> int:
@@ -383,8 +383,12 @@ async def _run_worker(args) -> int:
         info = expected_info(AsyncEngineArgs(model=args.model, dtype="float32",
                                              enforce_eager=True).create_engine_config())
     keys = transport.Keys.load(args.keys) if args.keys else None
-    worker = fake_worker(Role[args.role.upper()], args.controller, worker_id=args.worker_id,
+    from pdserve.worker.discovery import Discovery
+
+    controllers = Discovery(args.controller, args.controllers_file)
+    worker = fake_worker(Role[args.role.upper()], controllers, worker_id=args.worker_id,
                          keys=keys, heartbeat_interval=args.heartbeat_interval, info=info,
+                         discovery_interval=args.discovery_interval,
                          drain_timeout=args.drain_timeout, decode_delay=args.decode_delay,
                          prefill_delay_per_token=args.prefill_delay_per_token)
     stop_on_signals(worker)  # as a real worker: the first signal drains, a second stops
@@ -400,7 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     w = sub.add_parser("worker", help="a PDWorker around a FakeEngine")
     w.add_argument("--role", required=True, choices=[r.label for r in Role])
-    w.add_argument("--controller", action="append", required=True)
+    w.add_argument("--controller", action="append", default=[])
+    w.add_argument("--controllers-file", action="append", default=[])
+    w.add_argument("--discovery-interval", type=float, default=None)
     w.add_argument("--worker-id", default=None)
     w.add_argument("--keys", default=None)
     w.add_argument("--model", default=None,

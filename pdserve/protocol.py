@@ -6,7 +6,11 @@ not travel. A peer speaking another version is refused with a message naming bot
 
 Channels (one DEALER per worker per controller, one ROUTER per controller):
   worker -> controller: Register, Heartbeat, Drain, Unregister, Output
-  controller -> worker: RegisterAck, Generate, Abort, Ping
+  controller -> worker: RegisterAck, Generate, Abort, Ping, Leave
+
+Fields are only ever added at the end, with a default: a peer of the same version that predates
+them ignores them (msgspec skips trailing array items), and a message type it does not know is
+dropped with a warning.
 """
 
 from __future__ import annotations
@@ -107,6 +111,9 @@ class RegisterAck(_Msg):
     # The controller declares a worker it has not heard from for this many seconds dead; the
     # worker gives up on a controller silent for as long (0: not said).
     dead_after: float = 0.0
+    # Worker ports of the other API servers at this controller's address (`--api-servers N`):
+    # the worker registers with them too (worker/discovery.py).
+    siblings: list[int] = []
 
 
 class Heartbeat(_Msg):
@@ -148,6 +155,13 @@ class Ping(_Msg):
     fails if it is gone); the worker needs no answer beyond its usual heartbeats."""
 
     controller_id: str = ""
+
+
+class Leave(_Msg):
+    """The controller is stopping: the legs it sent are over, and it forgets this worker."""
+
+    controller_id: str = ""
+    reason: str = ""
 
 
 class TokenLogprob(_Msg):
@@ -198,6 +212,7 @@ class MsgType(enum.IntEnum):
     ABORT = 7
     OUTPUT = 8
     PING = 9
+    LEAVE = 10
 
 
 _TYPES: dict[MsgType, type[_Msg]] = {
@@ -210,6 +225,7 @@ _TYPES: dict[MsgType, type[_Msg]] = {
     MsgType.ABORT: Abort,
     MsgType.OUTPUT: Output,
     MsgType.PING: Ping,
+    MsgType.LEAVE: Leave,
 }
 _TYPE_OF = {cls: t for t, cls in _TYPES.items()}
 _ENCODER = msgspec.msgpack.Encoder()
@@ -217,7 +233,7 @@ _DECODERS: dict[MsgType, msgspec.msgpack.Decoder[Any]] = {
     t: msgspec.msgpack.Decoder(cls) for t, cls in _TYPES.items()}
 
 Message = (Register | RegisterAck | Heartbeat | Drain | Unregister | Generate | Abort | Output
-           | Ping)
+           | Ping | Leave)
 
 
 def encode(msg: _Msg) -> list[bytes]:

@@ -24,7 +24,7 @@ from pdserve.controller.pool import Pool
 from pdserve.controller.router import make_policy
 from pdserve.controller.sequence import Sequence, Settings, State
 from pdserve.controller.stream import Stream
-from pdserve.errors import Refused
+from pdserve.errors import Refused, ShuttingDown
 from pdserve.protocol import Role
 
 logger = logging.getLogger(__name__)
@@ -50,6 +50,7 @@ class PDController(EngineClient):
                                    self.settings.queue_timeout)
         self.metrics.watch_admission(self.admission)
         self.active: dict[str, list[Sequence]] = {}
+        self._closing = False  # shutting down: new requests are refused, streams finish
         self._stopped = False
 
     # ---- generation ------------------------------------------------------------------------
@@ -57,6 +58,9 @@ class PDController(EngineClient):
     def check_admission(self, n: int = 1, request_id: str | None = None) -> None:
         # Runs before a streaming response starts, so a missing role is a real HTTP 503
         # rather than an error event inside a 200 stream.
+        if self._closing:
+            self.metrics.rejected("shutting_down")
+            raise ShuttingDown()
         # With local prefill on, a pool of decode workers alone can serve short prompts.
         sides = ((Role.DECODE,) if self.settings.local_prefill_threshold
                  else (Role.PREFILL, Role.DECODE))
@@ -76,6 +80,8 @@ class PDController(EngineClient):
     async def generate(self, prompt, sampling_params, request_id: str, *,
                        prompt_text: str | None = None, **kwargs: Any,
                        ) -> AsyncGenerator[Any, None]:
+        if self._closing:  # it passed check_admission before the shutdown began
+            raise ShuttingDown()
         token_ids = _prompt_token_ids(prompt)
         # What a plain engine's input processor checks here: no worker can serve such ids.
         self.renderer.validate_token_ids(token_ids)
@@ -156,6 +162,8 @@ class PDController(EngineClient):
         return EngineDeadError()
 
     async def check_health(self) -> None:
+        if self._closing:  # load balancers and readiness probes stop sending here
+            raise EngineDeadError()
         missing = [side.label for side in (Role.PREFILL, Role.DECODE)
                    if not self.pool.registry.ready(side)]
         if missing:
@@ -228,17 +236,41 @@ class PDController(EngineClient):
         return False
 
     def shutdown(self, timeout: float | None = None) -> None:
+        """Stop: new requests get 503 at once (and /health fails, so balancers and readiness
+        probes turn away), the streams in flight have `timeout` seconds to finish (vLLM's
+        --shutdown-timeout; vLLM's server calls this on SIGTERM or SIGINT), the rest are
+        aborted."""
         # vLLM calls this from a worker thread; the pool's sockets belong to the event loop.
-        self._stopped = True
+        self._closing = True
         loop = self.pool.loop
         try:
             here = asyncio.get_running_loop()
         except RuntimeError:
             here = None
         if loop is None or loop.is_closed() or here is loop:
+            self._stopped = True
             self._abort_all()
-        else:
-            loop.call_soon_threadsafe(self._abort_all)
+            return
+        if timeout:
+            done = asyncio.run_coroutine_threadsafe(self._finish_streams(timeout), loop)
+            try:
+                done.result(timeout + 5)
+            except Exception:  # noqa: BLE001 - stopping anyway
+                logger.exception("waiting for the streams in flight failed")
+        self._stopped = True
+        loop.call_soon_threadsafe(self._abort_all)
+
+    async def _finish_streams(self, timeout: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        if self.active:
+            logger.info("shutting down: refusing new requests; waiting up to %g s for the %d "
+                        "requests in flight", timeout, len(self.active))
+        while self.active and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.active:
+            logger.warning("shutting down: aborting the %d requests still in flight after %g s",
+                           len(self.active), timeout)
 
     def _abort_all(self) -> None:
         for seqs in list(self.active.values()):

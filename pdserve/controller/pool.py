@@ -60,8 +60,10 @@ class Pool:
     def __init__(self, bind: str, *, expected: EngineInfo | None = None,
                  keys: transport.Keys | None = None, heartbeat_interval: float = 1.0,
                  missed_heartbeats: int = 3, dead_after: float = 30.0,
+                 siblings: list[int] | None = None,
                  clock: Callable[[], float] = time.monotonic):
         self.id = f"controller-{uuid.uuid4().hex[:8]}"
+        self.siblings = list(siblings or ())  # worker ports of the API servers beside this one
         self.registry = Registry(expected, heartbeat_interval=heartbeat_interval,
                                  missed=missed_heartbeats, dead_after=dead_after, clock=clock)
         self.ctx = zmq.asyncio.Context()
@@ -90,9 +92,12 @@ class Pool:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for leg in list(self.legs.values()):
             self._fail(leg, "controller shutting down")
+        # Workers free this controller's legs now, not after its dead_after of silence.
+        for w in self.registry.workers.values():
+            self._reply(w.identity, protocol.Leave(self.id, "controller shutting down"))
         if self.auth is not None:
             self.auth.stop()
-        self.sock.close(linger=0)
+        self.sock.close(linger=500)  # the Leave messages still go out
         self.ctx.term()
 
     # ---- legs ------------------------------------------------------------------------------
@@ -276,7 +281,7 @@ class Pool:
 
     def _accepted(self) -> protocol.RegisterAck:
         return protocol.RegisterAck(True, "", self.id, self.registry.heartbeat_interval,
-                                    dead_after=self.registry.dead_after)
+                                    dead_after=self.registry.dead_after, siblings=self.siblings)
 
     def _reply(self, identity: bytes, msg) -> None:
         try:

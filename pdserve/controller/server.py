@@ -10,10 +10,12 @@ import argparse
 import asyncio
 import logging
 import signal
+import sys
 
 from fastapi.responses import HTMLResponse, JSONResponse
 
 from pdserve import transport
+from pdserve.controller import api_servers
 from pdserve.controller.admission import limits
 from pdserve.controller.client import PDController
 from pdserve.controller.history import History
@@ -33,7 +35,13 @@ def add_pd_args(parser) -> None:
     g.add_argument("--worker-host", default=None,
                    help="address the worker port binds to (default: --host, or 0.0.0.0)")
     g.add_argument("--worker-port", type=int, default=8001,
-                   help="ZMQ port workers register with")
+                   help="ZMQ port workers register with (with --api-servers N: API server i "
+                        "takes this port + i)")
+    g.add_argument("--api-servers", type=_positive, default=1,
+                   help="controller processes sharing the HTTP port, each a whole controller "
+                        "over the same workers; a worker given any of their worker ports "
+                        "registers with all of them")
+    g.add_argument(api_servers.INDEX_FLAG, type=int, default=None, help=argparse.SUPPRESS)
     g.add_argument("--keys", default=None,
                    help="folder from `pdserve keygen`: CurveZMQ-encrypt and authenticate workers")
     g.add_argument("--prefill-policy", default="least_loaded", choices=PREFILL_POLICIES)
@@ -85,6 +93,13 @@ def add_pd_args(parser) -> None:
                         "an hour of them in memory (controller/history.py states the bound)")
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {text}")
+    return value
+
+
 def _sample_interval(text: str) -> float:
     value = float(text)
     if not 1.0 <= value <= 60.0:
@@ -101,7 +116,9 @@ def make_parser():
         description="pdserve controller: vLLM's OpenAI server over a pool of P/D workers"))
     add_pd_args(parser)
     # Users should see the KV handoff: cached_tokens in usage is on unless turned off.
-    parser.set_defaults(enable_prompt_tokens_details=True, port=8000, model=None)
+    # A stopping controller lets its streams finish (25 s: within Kubernetes' default grace).
+    parser.set_defaults(enable_prompt_tokens_details=True, port=8000, model=None,
+                        shutdown_timeout=25)
     return parser
 
 
@@ -148,7 +165,32 @@ def add_routes(app, controller: PDController, metrics: Metrics,
         async def pd_history(window: float = 300.0):
             return JSONResponse(history.view(window))
 
+    # add_middleware refuses once build_app has built the stack; add_retry_after rebuilds it.
+    from starlette.middleware import Middleware
+
+    app.user_middleware.insert(0, Middleware(ControllerHeader, controller_id=controller.pool.id))
     add_retry_after(app)
+
+
+class ControllerHeader:
+    """Names the controller that answered (`x-pdserve-controller`): with several API servers
+    or replicas behind one address, the one whose logs and /pd views tell the story. Plain
+    ASGI, so streamed responses pass through untouched."""
+
+    def __init__(self, app, controller_id: str):
+        self.app = app
+        self.header = (b"x-pdserve-controller", controller_id.encode())
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_header(message):
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), self.header]
+            await send(message)
+
+        await self.app(scope, receive, send_with_header)
 
 
 def add_retry_after(app) -> None:
@@ -180,9 +222,12 @@ async def serve(args: argparse.Namespace) -> None:
     vllm_config = controller_config(args)
     keys = transport.Keys.load(args.keys) if args.keys else None
     worker_host = args.worker_host or args.host or "0.0.0.0"
-    pool = Pool(f"tcp://{worker_host}:{args.worker_port}", expected=expected_info(vllm_config),
+    worker_port, siblings = api_servers.worker_ports(args.worker_port, args.api_servers,
+                                                     args.api_server_index or 0)
+    pool = Pool(f"tcp://{worker_host}:{worker_port}", expected=expected_info(vllm_config),
                 keys=keys, heartbeat_interval=args.heartbeat_interval,
-                missed_heartbeats=args.missed_heartbeats, dead_after=args.dead_after)
+                missed_heartbeats=args.missed_heartbeats, dead_after=args.dead_after,
+                siblings=siblings)
     metrics = Metrics()
     metrics.watch_pool(pool.registry)
     registry = get_prometheus_registry()
@@ -196,7 +241,7 @@ async def serve(args: argparse.Namespace) -> None:
     logger.info("pdserve controller %s: workers register at %s%s", pool.id, pool.address,
                 " (CurveZMQ)" if keys else "")
 
-    listen_address, sock = setup_server(args, reuse_port=False)
+    listen_address, sock = setup_server(args, reuse_port=args.api_servers > 1)
     supported_tasks = await controller.get_supported_tasks()
     app = build_app(args, supported_tasks, controller.model_config)
     add_routes(app, controller, metrics, history)
@@ -244,6 +289,10 @@ def main(argv: list[str] | None = None) -> None:
         settings_from(args)
     except ValueError as e:
         parser.error(str(e))
+    if args.api_servers > 1 and args.api_server_index is None:
+        raise SystemExit(api_servers.run(sys.argv[2:] if argv is None else list(argv),
+                                         args.api_servers,
+                                         args.shutdown_timeout))
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         asyncio.run(serve(args))

@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import socket
+from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
@@ -23,6 +24,7 @@ from pdserve import transport
 from pdserve.models import resolve_model
 from pdserve.net import free_port
 from pdserve.protocol import Role
+from pdserve.worker.discovery import Discovery, read_list
 from pdserve.worker import cores as claims  # `cores` names the --cores lists here
 
 if TYPE_CHECKING:
@@ -39,8 +41,17 @@ def make_parser():
                                     description="A vLLM engine serving one P/D role")
     g = parser.add_argument_group("pdserve worker")
     g.add_argument("--role", required=True, choices=[r.label for r in Role])
-    g.add_argument("--controller", action="append", required=True, metavar="tcp://HOST:PORT",
-                   help="controller worker port; repeat to serve several controllers")
+    g.add_argument("--controller", action="append", default=[], metavar="tcp://HOST:PORT",
+                   help="controller worker port; repeat to serve several controllers. A HOST "
+                        "name is looked up again every --discovery-interval and every address "
+                        "it has is a controller (e.g. a Kubernetes headless Service)")
+    g.add_argument("--controllers-file", action="append", default=[], metavar="PATH",
+                   help="a file of controller URLs, one per line, read again every "
+                        "--discovery-interval: controllers added are registered with, "
+                        "controllers removed finish their requests here and are left")
+    g.add_argument("--discovery-interval", type=float, default=None,
+                   help="seconds between lookups of the controller set (default: the "
+                        "heartbeat interval)")
     g.add_argument("--worker-id", default=None, help="stable id (default: role + random)")
     g.add_argument("--advertise-host", default=None,
                    help="address peers use to reach this worker's KV side channel (default: "
@@ -62,6 +73,16 @@ def make_parser():
     parser = AsyncEngineArgs.add_cli_args(parser)
     parser.set_defaults(enforce_eager=True, model=None)
     return parser
+
+
+def _first_controller(args) -> str:
+    """A controller URL to pick this host's advertised address by (the first one named)."""
+    if args.controller:
+        return args.controller[0]
+    try:
+        return read_list(Path(args.controllers_file[0]).read_text())[0]
+    except (OSError, IndexError, ValueError):
+        return "tcp://127.0.0.1:0"  # not readable yet: pass --advertise-host
 
 
 def route_address(controller_url: str) -> str:
@@ -86,7 +107,7 @@ async def _health_server(port: int, worker, host: str = "0.0.0.0") -> asyncio.Ab
             ctype = b"text/plain"
             if head.split(b" ", 2)[1:2] == [b"/metrics"]:
                 status, ctype, body = b"200 OK", CONTENT_TYPE_LATEST.encode(), generate_latest()
-            elif any(link.registered for link in worker.links) and not worker.draining:
+            elif any(lk.registered for lk in worker.links.values()) and not worker.draining:
                 status, body = b"200 OK", b"ok\n"
             else:
                 status, body = b"503 Service Unavailable", b"not registered or draining\n"
@@ -109,19 +130,22 @@ async def run(args) -> int:
     from pdserve.worker.worker import PDWorker
 
     role = Role[args.role.upper()]
-    host = args.advertise_host or route_address(args.controller[0])
+    discovery = Discovery(args.controller, args.controllers_file)
+    host = args.advertise_host or route_address(_first_controller(args))
     kv_port = args.kv_port or free_port(host)
     settings = EngineSettings(role, advertise_host=host, kv_port=kv_port, cores=args.cores,
                               kv_cache_gib=args.kv_cache_gib)
     keys = transport.Keys.load(args.keys) if args.keys else None
     engine = VllmEngine(settings, AsyncEngineArgs.from_cli_args(args))
-    worker = PDWorker(engine, role, args.controller, worker_id=args.worker_id, address=host,
+    worker = PDWorker(engine, role, discovery, worker_id=args.worker_id, address=host,
                       kv_port=kv_port, keys=keys, heartbeat_interval=args.heartbeat_interval,
-                      drain_timeout=args.drain_timeout)
+                      drain_timeout=args.drain_timeout,
+                      discovery_interval=args.discovery_interval)
     stop_on_signals(worker)
     health = await _health_server(args.health_port, worker) if args.health_port else None
     logger.info("worker %s (%s) up: KV side channel %s:%d, controllers %s", worker.worker_id,
-                args.role, host, kv_port, ", ".join(args.controller))
+                args.role, host, kv_port,
+                ", ".join(args.controller + [f"listed in {f}" for f in args.controllers_file]))
     try:
         await worker.run()
     finally:
@@ -139,7 +163,7 @@ def exit_code(worker: PDWorker) -> int:
     """How a worker that has stopped exits (see the module docstring)."""
     if worker.engine_dead:
         return EXIT_ENGINE_DEAD
-    return EXIT_REFUSED if all(link.refused for link in worker.links) else 0
+    return EXIT_REFUSED if worker.refused_by_all else 0
 
 
 def stop_on_signals(worker: PDWorker) -> None:
@@ -226,7 +250,12 @@ def _cpu_list(cpus: set[int]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = make_parser().parse_args(argv)
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    try:
+        Discovery(args.controller, args.controllers_file)
+    except ValueError as e:  # no controller, or a bad URL
+        parser.error(str(e))
     claim = claim_cores(args.cores)  # held until this process ends
     if args.cores is None and claim is not None:
         args.cores = claim.spec  # as if given: pinned, and the engine binds one thread per core

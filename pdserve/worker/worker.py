@@ -40,6 +40,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 
 from pdserve import protocol, transport
 from pdserve.protocol import ErrorKind, Output, Phase, Role, SeqDelta, TokenLogprob
+from pdserve.worker.discovery import Discovery, siblings
 from pdserve.worker.engine import FORCED_TOKENS_ARG, Engine, decode_params
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,8 @@ class _Link:
     last_heard: float = field(default_factory=time.monotonic)  # any message from it
     interval: float = 1.0
     dead_after: float = 0.0  # the controller's, from its acks
+    siblings: tuple[int, ...] = ()  # worker ports of the API servers beside it, from its acks
+    retiring: bool = False  # gone from the controller set: finishing its legs, then closed
 
     def gone(self, now: float, stall: float = 0.0) -> bool:
         """Silent for too long, not counting `stall` (this process's own, see the loop)."""
@@ -69,12 +72,13 @@ class _Link:
 
 
 class PDWorker:
-    def __init__(self, engine: Engine, role: Role, controllers: list[str], *,
+    def __init__(self, engine: Engine, role: Role, controllers: list[str] | Discovery, *,
                  worker_id: str | None = None, address: str = "127.0.0.1", kv_port: int = 0,
                  keys: transport.Keys | None = None, heartbeat_interval: float = 1.0,
-                 drain_timeout: float = 600.0):
-        if not controllers:
-            raise ValueError("a worker needs at least one --controller")
+                 drain_timeout: float = 600.0, discovery_interval: float | None = None):
+        self.discovery = (controllers if isinstance(controllers, Discovery)
+                          else Discovery(controllers))
+        self.discovery_interval = discovery_interval or heartbeat_interval
         self.engine = engine
         self.role = role
         self.worker_id = worker_id or f"{role.label}-{uuid.uuid4().hex[:8]}"
@@ -84,9 +88,16 @@ class PDWorker:
         self.drain_timeout = drain_timeout
         self.draining = False
         self.ctx = zmq.asyncio.Context()
-        self.links = [_Link(url, transport.worker_socket(self.ctx, url, self.worker_id, keys))
-                      for url in controllers]
-        self.tasks: dict[tuple[int, str], asyncio.Task] = {}
+        self.keys = keys
+        self.links: dict[int, _Link] = {}  # by link id, which never repeats
+        self._loops: dict[int, asyncio.Task] = {}  # each link's receive loop
+        self._next_link = 0
+        self._found: set[str] = set()  # the controller set as discovery last gave it
+        self._running = False
+        for url in sorted(self.discovery.static() or ()):  # literal addresses: no lookup
+            self._found.add(url)
+            self._open(url)
+        self.tasks: dict[tuple[int, str], asyncio.Task] = {}  # by (link id, request id)
         # Decode legs whose task has not started: aborted now, their engine would never see
         # them, so the prefill worker's blocks must be released from here.
         self.unstarted: dict[tuple[int, str], dict] = {}
@@ -98,11 +109,16 @@ class PDWorker:
 
     async def run(self) -> None:
         """Serve until stop() or drain() completes, or every controller refused this worker."""
-        loops = [asyncio.create_task(self._recv_loop(i)) for i in range(len(self.links))]
-        loops.append(asyncio.create_task(self._heartbeat_loop()))
+        self._running = True
+        for i in self.links:
+            self._loops[i] = asyncio.create_task(self._recv_loop(i))
+        loops = [asyncio.create_task(self._heartbeat_loop())]
+        if self.discovery.static() is None:
+            loops.append(asyncio.create_task(self._discovery_loop()))
         try:
             await self.stopped.wait()
         finally:
+            loops += self._loops.values()
             for t in loops:
                 t.cancel()
             await asyncio.gather(*loops, return_exceptions=True)
@@ -151,14 +167,78 @@ class PDWorker:
             self.left = True
             self._tell_all(protocol.Unregister(self.worker_id, reason))
 
+    @property
+    def refused_by_all(self) -> bool:
+        return bool(self.links) and all(lk.refused for lk in self.links.values())
+
     def _tell_all(self, msg) -> None:
         # Never wait: a DEALER whose controller is gone would block a send forever.
-        for link in self.links:
+        for link in self.links.values():
             try:
                 transport.send_nowait(link.sock, msg)
             except zmq.Again:
                 logger.warning("controller %s unreachable: %s not sent", link.url,
                                type(msg).__name__)
+
+    # ---- the controller set (discovery.py) -------------------------------------------------
+
+    async def _discovery_loop(self) -> None:
+        while True:
+            self._found = await self.discovery.find()
+            self._apply()
+            await asyncio.sleep(self.discovery_interval)
+
+    def _apply(self) -> None:
+        """Open a link to each controller new in the set; retire the links to those gone."""
+        want = set(self._found)
+        for link in list(self.links.values()):
+            if link.url in self._found:
+                want |= siblings(link.url, link.siblings)
+        have = {link.url for link in self.links.values()}  # retiring ones too, see _retire
+        for url in sorted(want - have):
+            self._open(url)
+        for i, link in list(self.links.items()):
+            if link.url not in want and not link.retiring:
+                self._retire(i)
+
+    def _open(self, url: str) -> None:
+        i, self._next_link = self._next_link, self._next_link + 1
+        self.links[i] = _Link(url, transport.worker_socket(self.ctx, url, self.worker_id,
+                                                           self.keys))
+        if self._running:
+            logger.info("controller %s joined the set: registering", url)
+            self._loops[i] = asyncio.create_task(self._recv_loop(i))
+
+    def _retire(self, i: int) -> None:
+        """A controller gone from the set gets no new work from here; what it has running
+        finishes (it may be draining its clients' streams), then the link closes. A controller
+        that comes back meanwhile is registered with again once this link has closed: a new
+        registration now would make it fail the legs that are finishing."""
+        link = self.links[i]
+        link.retiring = True
+        running = self._count(i)
+        if not link.registered or not running:
+            self._close(i, "left the controller set")
+            return
+        logger.info("controller %s left the set: finishing its %d requests, then leaving it",
+                    link.url, running)
+        try:
+            transport.send_nowait(link.sock, protocol.Drain(self.worker_id))
+        except zmq.Again:
+            pass
+
+    def _close(self, i: int, reason: str) -> None:
+        link = self.links.pop(i)
+        loop = self._loops.pop(i, None)
+        if loop is not None:
+            loop.cancel()
+        if link.registered:
+            try:
+                transport.send_nowait(link.sock, protocol.Unregister(self.worker_id, reason))
+            except zmq.Again:
+                pass
+        link.sock.close(linger=500)  # the unregister still goes out
+        logger.info("closed the link to controller %s: %s", link.url, reason)
 
     # ---- control plane ---------------------------------------------------------------------
 
@@ -176,7 +256,7 @@ class PDWorker:
                 return
             now = time.monotonic()
             stall, beat = max(0.0, now - beat - self.heartbeat_interval), now
-            for i, link in enumerate(self.links):
+            for i, link in list(self.links.items()):
                 if link.refused:
                     continue
                 if link.gone(now, stall):
@@ -185,9 +265,13 @@ class PDWorker:
                                    now - link.last_heard, self._count(i))
                     link.registered = False
                     await self._abort_link(i)
+                if link.retiring and (not link.registered or not self._count(i)):
+                    self._close(i, "left the controller set")
+                    continue
                 msg: protocol.Heartbeat | protocol.Register
                 if link.registered:
-                    msg = protocol.Heartbeat(self.worker_id, self.engine.load(), self.draining)
+                    msg = protocol.Heartbeat(self.worker_id, self.engine.load(),
+                                             self.draining or link.retiring)
                 else:
                     msg = self._register_msg()
                 try:
@@ -215,6 +299,8 @@ class PDWorker:
                     await self._on_abort(i, msg.request_ids)
                 elif isinstance(msg, protocol.Ping):
                     pass  # hearing it is all it is for
+                elif isinstance(msg, protocol.Leave):
+                    await self._on_leave(i, msg)
                 else:
                     logger.warning("dropped a %s from %s: not a controller message",
                                    type(msg).__name__, link.url)
@@ -229,6 +315,9 @@ class PDWorker:
                             ack.controller_id, self.role.label, self.worker_id)
             link.registered, link.controller_id = True, ack.controller_id
             link.interval, link.dead_after = ack.heartbeat_interval, ack.dead_after
+            if tuple(ack.siblings) != link.siblings:
+                link.siblings = tuple(ack.siblings)
+                self._apply()
         elif ack.reregister:
             # The controller failed this worker's legs over already (or never had them): running
             # them on here would only cost the engine.
@@ -240,8 +329,17 @@ class PDWorker:
         else:
             link.refused = ack.reason
             logger.error("controller %s refused this worker: %s", link.url, ack.reason)
-            if all(lk.refused for lk in self.links):
+            if self.refused_by_all:
                 self.stop()
+
+    async def _on_leave(self, i: int, msg: protocol.Leave) -> None:
+        """The controller is stopping: its legs are gone with it; register again if it is
+        still in the set when it is back (a restart at the same address)."""
+        link = self.links[i]
+        logger.info("controller %s (%s) is leaving (%s): aborting its %d requests", link.url,
+                    msg.controller_id, msg.reason or "no reason given", self._count(i))
+        link.registered = False
+        await self._abort_link(i)
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -250,7 +348,8 @@ class PDWorker:
 
     def _on_generate(self, i: int, msg: protocol.Generate) -> None:
         key = (i, msg.request_id)
-        if self.draining or self.links[i].refused:
+        link = self.links[i]
+        if self.draining or link.refused or link.retiring:
             self._reply(i, Output(msg.request_id, [], finished=True, error="worker is draining",
                                   error_kind=ErrorKind.DRAINING))
             return
@@ -279,15 +378,18 @@ class PDWorker:
         await self._on_abort(i, [rid for (j, rid) in list(self.tasks) if j == i])
 
     async def _abort_all(self) -> None:
-        for i in range(len(self.links)):
+        for i in list(self.links):
             await self._abort_link(i)
 
     def _reply(self, i: int, out: Output) -> None:
+        link = self.links.get(i)
+        if link is None:
+            return  # closed: its controller left, and aborted what it had here
         try:
-            transport.send_nowait(self.links[i].sock, out)
+            transport.send_nowait(link.sock, out)
         except zmq.Again:
-            logger.warning("controller %s unreachable: dropped output of %s",
-                           self.links[i].url, out.request_id)
+            logger.warning("controller %s unreachable: dropped output of %s", link.url,
+                           out.request_id)
 
     async def _serve(self, i: int, msg: protocol.Generate) -> None:
         rid = msg.request_id

@@ -46,9 +46,10 @@ async def make_cluster(vllm_config):
 
     async def make(settings: Settings | None = None, heartbeat: float = HEARTBEAT,
                    missed: int = MISSED, dead_after: float = 30.0, expected=FAKE_INFO, keys=None,
-                   bind: str = "tcp://127.0.0.1:0") -> Cluster:
+                   bind: str = "tcp://127.0.0.1:0", siblings: list[int] | None = None,
+                   ) -> Cluster:
         pool = Pool(bind, expected=expected, keys=keys, heartbeat_interval=heartbeat,
-                    missed_heartbeats=missed, dead_after=dead_after)
+                    missed_heartbeats=missed, dead_after=dead_after, siblings=siblings)
         pool.start()
         c = Cluster(PDController(vllm_config, pool, settings or fast_settings()), heartbeat)
         made.append(c)

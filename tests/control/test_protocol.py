@@ -25,7 +25,8 @@ INFO = EngineInfo("m", "tok", 16, "float32", "nixl", 4096)
 
 MESSAGES = [
     protocol.Register("w1", Role.BOTH, "10.0.0.2", INFO, kv_port=5600, pid=42),
-    protocol.RegisterAck(False, "model: no", "c1", 0.25, reregister=True, dead_after=30.0),
+    protocol.RegisterAck(False, "model: no", "c1", 0.25, reregister=True, dead_after=30.0,
+                         siblings=[8002, 8003]),
     protocol.Heartbeat("w1", Load(3, 4, 0.75), draining=True),
     protocol.Drain("w1"),
     protocol.Unregister("w1", "drained"),
@@ -34,6 +35,7 @@ MESSAGES = [
                       {"do_remote_prefill": True, "remote_block_ids": [0, 1]}),
     protocol.Abort(["a", "b"]),
     protocol.Ping("c1"),
+    protocol.Leave("c1", "shutting down"),
     protocol.Output("r1", [SeqDelta(1, " x", [5, 6], [[TokenLogprob(5, -0.5, 1, " x")],
                                                       [TokenLogprob(6, -1.0, None, None)]],
                                     -1.5, "stop", 6)],
@@ -152,3 +154,17 @@ def test_engine_info_mismatches_name_the_field_and_both_values():
     assert wrong[0] == "block_size: worker has 32, controller expects 16"
     assert "dtype" in wrong[1] and "'bfloat16'" in wrong[1] and "'float32'" in wrong[1]
     assert INFO.mismatches(INFO) == []
+
+
+def test_a_field_added_at_the_end_is_ignored_by_a_peer_that_predates_it():
+    class OldAck(msgspec.Struct, array_like=True, omit_defaults=True):
+        accepted: bool
+        reason: str = ""
+        controller_id: str = ""
+        heartbeat_interval: float = 1.0
+        reregister: bool = False
+        dead_after: float = 0.0
+
+    frames = protocol.encode(protocol.RegisterAck(True, "", "c1", 0.5, siblings=[8002]))
+    old = msgspec.msgpack.decode(frames[1], type=OldAck)
+    assert (old.accepted, old.controller_id, old.heartbeat_interval) == (True, "c1", 0.5)
