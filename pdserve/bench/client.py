@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,10 +57,16 @@ def run_client(run: ClientRun, log: Path, seed: int = 0, timeout: float = 3600.0
     """Run the client to completion and return vLLM's result JSON (with per-request detail),
     plus `client_cpu_s`: the CPU the client itself used."""
     env = dict(os.environ, PYTHONHASHSEED=str(seed), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    run.result.parent.mkdir(parents=True, exist_ok=True)
+    return run_child([sys.executable, "-m", "pdserve.bench.client", *client_args(run)],
+                     run.result, log, env, timeout, "vLLM's benchmark client")
+
+
+def run_child(argv: list[str], result: Path, log: Path, env: dict[str, str], timeout: float,
+              what: str) -> dict[str, Any]:
+    """Run a benchmark client to completion; its result JSON plus `client_cpu_s`."""
+    result.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "pdserve.bench.client", *client_args(run)],
-                                env=env, stdout=out, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
         try:
             code, cpu = _wait(proc, timeout)
@@ -67,11 +74,11 @@ def run_client(run: ClientRun, log: Path, seed: int = 0, timeout: float = 3600.0
             _kill_group(proc)
             raise
     if code != 0:
-        raise RuntimeError(f"vLLM's benchmark client exited with {code}; see {log}")
-    with open(run.result) as f:
-        result: dict[str, Any] = json.load(f)
-    result["client_cpu_s"] = round(cpu, 3)
-    return result
+        raise RuntimeError(f"{what} exited with {code}; see {log}")
+    with open(result) as f:
+        data: dict[str, Any] = json.load(f)
+    data["client_cpu_s"] = round(cpu, 3)
+    return data
 
 
 def _wait(proc: subprocess.Popen[bytes], timeout: float) -> tuple[int, float]:
@@ -90,10 +97,17 @@ def _wait(proc: subprocess.Popen[bytes], timeout: float) -> tuple[int, float]:
 def run_measured(run: ClientRun, groups: dict[str, int], log: Path, seed: int = 0
                  ) -> dict[str, Any]:
     """One client run plus the CPU each process group used and the controller's phase means."""
+    return measured(run.base_url, groups, lambda: run_client(run, log, seed))
+
+
+def measured(base_url: str, groups: dict[str, int], go: Callable[[], dict[str, Any]]
+             ) -> dict[str, Any]:
+    """`go()` (a client run returning its result JSON with `duration` and `client_cpu_s`) plus
+    the CPU each process group used meanwhile and the controller's phase means."""
     meter = procs.CpuMeter(groups)
-    before = scrape.scrape(run.base_url)
+    before = scrape.scrape(base_url)
     meter.start()
-    result = run_client(run, log, seed)
+    result = go()
     cpu = meter.stop()
     duration = float(result["duration"])
     client = float(result.get("client_cpu_s", 0.0))
@@ -107,7 +121,7 @@ def run_measured(run: ClientRun, groups: dict[str, int], log: Path, seed: int = 
         span = m.pop("wall_s") if name in ("machine", "others", "client") else duration
         m["core_pct"] = round(100.0 * m["cpu_s"] / span, 2)
     return {"result": result, "duration": duration, "cpu": cpu,
-            "controller": scrape.delta(before, scrape.scrape(run.base_url)),
+            "controller": scrape.delta(before, scrape.scrape(base_url)),
             "vllm_goodput": result.get("request_goodput")}
 
 

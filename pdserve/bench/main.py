@@ -1,7 +1,8 @@
 """`pdserve bench`: each configuration in turn, on the same cores and model, under the same load.
 
 For each configuration: start it -> measure idle CPU of every process group -> warm up -> for
-each request rate, replay the same seeded workload with vLLM's benchmark client -> stop it.
+each request rate, send the same seeded workload (loads.py: a trace vLLM's benchmark client
+replays, or conversations pdserve's runner sends, feeding replies back) -> stop it.
 results.json / report.md / plots are rewritten after every run, so a stopped run keeps what it
 measured. `pdserve bench overhead` (overhead.py) measures what the controller itself costs.
 """
@@ -19,8 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench import cluster, metrics, procs, report, workload
-from pdserve.bench.client import ClientRun, run_client, run_measured
+from pdserve.bench import cluster, loads, metrics, procs, report, scrape
 from pdserve.bench.procs import stop_on_sigterm
 from pdserve.models import resolve_model
 
@@ -40,9 +40,14 @@ def make_parser() -> argparse.ArgumentParser:
                         ":decode-first: its --first-token decode; colocated: the same number of "
                         "engines as the largest XpYd, each serving whole requests")
     p.add_argument("--rates", default="1,2,4", help="request rates (req/s), comma-separated")
-    p.add_argument("--workload", default="mixed", choices=["mixed", "random"],
+    p.add_argument("--workload", default="mixed",
+                   choices=["mixed", "random", "multiturn", "shared-prefix"],
                    help="mixed: 30%% prompts of 1500-2000 tokens with 32 out, 70%% of 90-110 "
-                        "with 128 out; random: --input-len/--output-len/--range-ratio")
+                        "with 128 out; random: --input-len/--output-len/--range-ratio; "
+                        "multiturn: conversations behind one system prompt, each turn's prompt "
+                        "holding the previous turns and replies (a rate counts requests: "
+                        "conversations start at rate / mean turns); shared-prefix: short "
+                        "questions behind a few long system prompts")
     p.add_argument("--mix", default=None, metavar="SHARE:IN_MIN-IN_MAX:OUT,...",
                    help="a custom mix instead of --workload")
     p.add_argument("--input-len", type=int, default=1024)
@@ -76,15 +81,8 @@ def make_parser() -> argparse.ArgumentParser:
                    help="extra controller argument (repeat), e.g. --controller-arg=--x=y")
     p.add_argument("--worker-arg", action="append", default=[],
                    help="extra argument for every worker (repeat)")
+    loads.add_arguments(p)
     return p
-
-
-def classes_from(args: argparse.Namespace) -> tuple[workload.RequestClass, ...]:
-    if args.mix:
-        return workload.parse_mix(args.mix)
-    if args.workload == "random":
-        return workload.uniform(args.input_len, args.output_len, args.range_ratio)
-    return workload.MIXED
 
 
 def prompts_for(rate: float, args: argparse.Namespace) -> int:
@@ -94,8 +92,8 @@ def prompts_for(rate: float, args: argparse.Namespace) -> int:
 
 
 def run_config(cfg: cluster.Config, entry: dict[str, Any], args: argparse.Namespace, model: str,
-               out: Path, rates: list[float], classes: tuple[workload.RequestClass, ...],
-               slo: metrics.Slo, records: dict[tuple[str, float], list[metrics.Record]],
+               out: Path, rates: list[float], load: loads.Load, slo: metrics.Slo,
+               records: dict[tuple[str, float], list[metrics.Record]],
                saved: Callable[[], None]) -> None:
     """Start `cfg`, measure it at every rate, stop it; fill `entry` (its part of results.json)
     and call `saved` after each run."""
@@ -113,54 +111,47 @@ def run_config(cfg: cluster.Config, entry: dict[str, Any], args: argparse.Namesp
         logger.info("%s ready in %.0f s at %s", cfg.name, entry["startup_s"], url)
         if args.warmup:
             # Also makes the first KV handoff happen before idle CPU is measured.
-            items = workload.make_workload(classes, args.warmup, float("inf"), 1.0, args.seed)
-            trace = workload.write_trace(items, raw / f"{cfg.name}-warmup.jsonl", run=99)
-            run_client(ClientRun(url, model, trace, len(items), raw / f"{cfg.name}-warmup.json",
-                                 slo), log, args.seed)
+            load.warm(url, args.warmup, args.seed, raw, cfg.name, log)
         quiet(args)
         logger.info("%s: idle CPU over %.0f s", cfg.name, args.idle_seconds)
         entry["idle_cpu"] = procs.measure_idle(groups, args.idle_seconds)
         saved()
         for i, rate in enumerate(rates):
-            entry["runs"].append(measure_rate(cfg.name, i, rate, url, groups, args, model, out,
-                                              classes, slo, records))
+            entry["runs"].append(measure_rate(cfg.name, i, rate, url, groups, args, out, load,
+                                              slo, records))
             saved()
         quiet(args)
         entry["idle_cpu_after"] = procs.measure_idle(groups, args.idle_seconds)
 
 
 def measure_rate(name: str, index: int, rate: float, url: str, groups: dict[str, int],
-                 args: argparse.Namespace, model: str, out: Path,
-                 classes: tuple[workload.RequestClass, ...], slo: metrics.Slo,
+                 args: argparse.Namespace, out: Path, load: loads.Load, slo: metrics.Slo,
                  records: dict[tuple[str, float], list[metrics.Record]]) -> dict[str, Any]:
-    """One rate: the seeded workload, replayed again (fresh prompts) while other people's jobs
+    """One rate: the seeded workload, sent again (fresh prompts) while other people's jobs
     took more than --max-noise of a core during the run, up to --retries times."""
-    items = workload.make_workload(classes, prompts_for(rate, args), rate, args.burstiness,
-                                   args.seed + index)
+    n = prompts_for(rate, args)
     raw = out / "raw"
     for attempt in range(args.retries + 1):
-        trace = workload.write_trace(items, raw / f"trace-r{rate:g}.jsonl",
-                                     run=index + 10 * attempt)
         waited = quiet(args)
-        logger.info("%s at %g req/s: %d requests", name, rate, len(items))
-        result = raw / f"{name}-r{rate:g}.json"
-        run = run_measured(ClientRun(url, model, trace, len(items), result, slo,
-                                     label=f"{name}-r{rate:g}"), groups,
-                           out / "logs" / name / "client.log", args.seed)
+        logger.info("%s at %g req/s: %d requests", name, rate, n)
+        sent = load.measure(url, groups, n, rate, args.seed + index, index + 10 * attempt, raw,
+                            name, out / "logs" / name / "client.log")
+        run = sent.run
         noise = run["cpu"]["others"]["core_pct"]
         if noise <= args.max_noise or attempt == args.retries:
             break
         logger.warning("%s at %g req/s: other jobs used %.0f%% of a core meanwhile; again",
                        name, rate, noise)
-    recs = metrics.records_from_vllm(run.pop("result"), [it.cls for it in items])
+    recs = metrics.records_from_vllm(run.pop("result"), sent.labels)
     records[(name, rate)] = recs
     summary = metrics.summarize(recs, run["duration"], slo)
     logger.info("%s at %g req/s: TTFT p50 %.0f ms, ITL p99 %.0f ms, goodput %.2f req/s",
                 name, rate, summary["ttft"]["p50"], summary["itl"]["p99"], summary["goodput"])
-    return {"rate": rate, "num_prompts": len(items), "summary": summary,
+    return {"rate": rate, "num_prompts": len(recs), "summary": summary,
             "by_class": metrics.summarize_by_class(recs, run["duration"], slo), **run,
+            "controller_cache": scrape.cache_figures(run["controller"]),
             "attempts": attempt + 1, "waited_for_quiet_s": round(waited, 1),
-            "raw": str(result.relative_to(out))}
+            "raw": f"raw/{name}-r{rate:g}.json"}
 
 
 def quiet(args: argparse.Namespace) -> float:
@@ -194,8 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         configs = cluster.parse_configs(args.configs)
         rates = [float(r) for r in args.rates.split(",") if r.strip()]
-        classes = classes_from(args)
         slo = metrics.parse_slo(args.slo)
+        model = resolve_model(args.model, args.preset)
+        load = loads.from_args(args, model, slo)
     except ValueError as e:
         print(f"pdserve bench: {e}", file=sys.stderr)
         return 2
@@ -203,8 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = Path(args.out or f"bench-results/{stamp}")
     out.mkdir(parents=True, exist_ok=True)
-    model = resolve_model(args.model, args.preset)
-    results: dict[str, Any] = {"meta": meta(argv, args, model, classes, slo, rates, stamp),
+    results: dict[str, Any] = {"meta": meta(argv, args, model, load, slo, rates, stamp),
                                "configs": {}}
     records: dict[tuple[str, float], list[metrics.Record]] = {}
 
@@ -216,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         entry: dict[str, Any] = {"roles": cfg.roles(), "runs": []}
         results["configs"][cfg.name] = entry
         try:
-            run_config(cfg, entry, args, model, out, rates, classes, slo, records, save)
+            run_config(cfg, entry, args, model, out, rates, load, slo, records, save)
         except (RuntimeError, TimeoutError, OSError) as e:
             logger.error("%s failed: %s", cfg.name, e)
             entry["error"] = str(e)
@@ -242,9 +233,8 @@ def rerender(out: Path) -> dict[str, Any]:
     return results
 
 
-def meta(argv: list[str], args: argparse.Namespace, model: str,
-         classes: tuple[workload.RequestClass, ...], slo: metrics.Slo, rates: list[float],
-         stamp: str) -> dict[str, Any]:
+def meta(argv: list[str], args: argparse.Namespace, model: str, load: loads.Load,
+         slo: metrics.Slo, rates: list[float], stamp: str) -> dict[str, Any]:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -255,7 +245,7 @@ def meta(argv: list[str], args: argparse.Namespace, model: str,
         except PackageNotFoundError:
             vllm_version = "?"
     return {"command": "pdserve bench " + shlex.join(argv), "model": model,
-            "model_config": _model_shape(model), "workload": workload.describe(classes),
+            "model_config": _model_shape(model), "workload": load.describe(),
             "slo": slo.label(), "burstiness": args.burstiness, "seed": args.seed,
             "rates": rates, "prompts_per_rate": {f"{r:g}": prompts_for(r, args) for r in rates},
             "date": stamp, "machine": procs.machine(), "vllm": vllm_version, "code": _code_state(),

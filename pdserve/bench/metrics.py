@@ -6,6 +6,9 @@
 - E2E: request sent -> last chunk.
 - Goodput (DistServe): completed requests per second of benchmark time whose TTFT and TPOT both
   meet the SLO (a one-token request counts TPOT 0, as vLLM does).
+- Prefix cache (when the client records usage.prompt_tokens_details.cached_tokens, as
+  conversations.py does): prompt tokens computed = prompt tokens - cached tokens, summed over
+  the completed requests; hit rate = cached / prompt tokens.
 Percentiles are numpy's linear interpolation, as in vLLM.
 """
 
@@ -31,6 +34,7 @@ class Record:
     start: float = 0.0
     cls: str = ""
     error: str = ""
+    cached_tokens: int | None = None  # prompt tokens the server found in its prefix cache
 
     @property
     def ok(self) -> bool:
@@ -77,14 +81,16 @@ def parse_slo(pairs: Iterable[str]) -> Slo:
 
 
 def records_from_vllm(result: dict[str, Any], classes: Sequence[str] = ()) -> list[Record]:
-    """Records from a result file of vLLM's client saved with --save-detailed."""
+    """Records from a result file of vLLM's client saved with --save-detailed (or of
+    conversations.py, which adds `cached_tokens`)."""
     n = len(result["ttfts"])
     latencies = result.get("latencies") or [
         t + sum(g) for t, g in zip(result["ttfts"], result["itls"])]
+    cached = result.get("cached_tokens") or [None] * n
     return [Record(input_len=result["input_lens"][i], output_len=result["output_lens"][i],
                    ttft=result["ttfts"][i], e2e=latencies[i], itl=list(result["itls"][i]),
                    start=result["start_times"][i], cls=classes[i] if i < len(classes) else "",
-                   error=result["errors"][i] or "")
+                   error=result["errors"][i] or "", cached_tokens=cached[i])
             for i in range(n)]
 
 
@@ -154,7 +160,21 @@ def summarize(records: Sequence[Record], duration: float, slo: Slo) -> dict[str,
     for m in METRICS:
         out[m] = percentiles(samples(records, m))
     out["pauses"] = pauses(records)
+    if cache := cache_summary(records):
+        out["cache"] = cache
     return out
+
+
+def cache_summary(records: Sequence[Record]) -> dict[str, Any]:
+    """Prompt tokens, the part served from the prefix cache and the part computed, over the
+    completed requests whose cached tokens are known; {} when none are."""
+    known = [r for r in records if r.ok and r.cached_tokens is not None]
+    if not known:
+        return {}
+    prompt = sum(r.input_len for r in known)
+    cached = sum(r.cached_tokens or 0 for r in known)
+    return {"requests": len(known), "prompt_tokens": prompt, "cached_tokens": cached,
+            "computed_tokens": prompt - cached, "hit_rate": cached / prompt if prompt else 0.0}
 
 
 def summarize_by_class(records: Sequence[Record], duration: float,

@@ -62,6 +62,34 @@ def pause_table(results: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def cache_table(results: Mapping[str, Any]) -> list[str]:
+    """Prompt tokens served from the prefix cache and computed, next to what that buys; the
+    controller's own cache figures once it exports them (scrape.cache_figures)."""
+    lines = [("| configuration | rate | requests | prompt tokens | cached | computed | hit rate "
+              "| TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | goodput (req/s) | KV moved (MB) "
+              "| prefill / decode hit rate |"), "|" + "---|" * 12]
+    for name, cfg in results["configs"].items():
+        for run in cfg["runs"]:
+            s, c = run["summary"], run["summary"].get("cache")
+            if not c:
+                continue
+            k = run.get("controller_cache") or {}
+            moved = k.get("kv_bytes_moved")
+            lines.append(
+                f"| {name} | {run['rate']:g} | {c['requests']} | {c['prompt_tokens']:,} "
+                f"| {c['cached_tokens']:,} | {c['computed_tokens']:,} | {c['hit_rate']:.0%} "
+                f"| {fmt_ms(s['ttft']['p50'])} / {fmt_ms(s['ttft']['p99'])} "
+                f"| {fmt_ms(s['tpot']['p50'])} / {fmt_ms(s['tpot']['p99'])} | {s['goodput']:.2f} "
+                f"| {'-' if moved is None else f'{moved / 1e6:,.1f}'} "
+                f"| {_share(k.get('prefill_cache_hit_rate'))} / "
+                f"{_share(k.get('decode_cache_hit_rate'))} |")
+    return lines
+
+
+def _share(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0%}"
+
+
 def _others(run: Mapping[str, Any]) -> str:
     """CPU other people's processes used during the run (% of one core): noise to watch."""
     others = run.get("cpu", {}).get("others")
@@ -153,6 +181,10 @@ def markdown(results: Mapping[str, Any]) -> str:
         if key in meta:
             out.append(f"- {key}: `{meta[key]}`")
     out += ["", "## Latency, throughput and goodput", "", *latency_table(results)]
+    if any(run["summary"].get("cache") for c in results["configs"].values()
+           for run in c["runs"]):
+        out += ["", "## Prefix cache (computed = prompt tokens - cached tokens)", "",
+                *cache_table(results)]
     if any(run["summary"].get("pauses") for c in results["configs"].values()
            for run in c["runs"]):
         out += ["", "## Pauses in the streams (the tail ITL p99 hides)", "",

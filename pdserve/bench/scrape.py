@@ -50,3 +50,14 @@ def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]
             if d:
                 out[key] = d
     return out
+
+
+# Cache figures only the controller can give: KV bytes moved between workers, and the prefix
+# cache's hit rate on each side. Reported as null ("-") until the controller exports them.
+CACHE_FIGURES = ("kv_bytes_moved", "prefill_cache_hit_rate", "decode_cache_hit_rate")
+
+
+def cache_figures(delta: dict[str, float]) -> dict[str, float | None]:
+    """The hook for CACHE_FIGURES from a run's controller delta: fill each in here from the
+    controller's series when they exist; never an estimate."""
+    return dict.fromkeys(CACHE_FIGURES)

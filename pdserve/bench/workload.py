@@ -3,7 +3,10 @@
 A workload is a list of `Item`s (prompt length, output length, arrival time). It is written as
 a trace that vLLM's benchmark client replays (`--dataset-name timed_trace --self-timed`): the
 client turns each item's `hash_ids` into random prompt token ids (16 per id) and sends them at the
-item's timestamp. Hash ids are unique per item and per run, so no prompt hits a prefix cache.
+item's timestamp. Hash ids are unique per item and per run, so no prompt hits a prefix cache,
+except an item's shared prefix (`prefix`, `prefix_len`): every item with the same `prefix` starts
+with the same hash ids, which vLLM's client turns into the same tokens (it seeds each 16-token
+chunk from its hash id and length, and caches it for the run; PYTHONHASHSEED is fixed).
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ class Item:
     input_len: int
     output_len: int
     arrival: float  # seconds after the first request may be sent
+    prefix: int = -1  # items with the same prefix >= 0 share their first prefix_len tokens
+    prefix_len: int = 0  # a multiple of CHUNK, shorter than input_len
 
 
 # Issue 7's workload: long prompts with short answers interfering with short chat turns.
@@ -117,9 +122,16 @@ def write_trace(items: list[Item], path: Path, run: int = 0) -> Path:
             first = base + it.index * 1_000
             chunks = math.ceil(it.input_len / CHUNK)
             assert chunks < 1_000, "prompt too long for the hash-id layout"
+            shared: list[int] = []
+            if it.prefix >= 0:
+                assert it.prefix_len % CHUNK == 0 and it.prefix_len < it.input_len
+                # Negative, so that no item's own ids can collide with a shared prefix's.
+                start = -(base + it.prefix * 1_000)
+                shared = list(range(start, start - it.prefix_len // CHUNK, -1))
+            own = list(range(first + len(shared), first + chunks))
             f.write(json.dumps({"timestamp": round(it.arrival, 6), "input_length": it.input_len,
                                 "output_length": it.output_len,
-                                "hash_ids": list(range(first, first + chunks))}) + "\n")
+                                "hash_ids": shared + own}) + "\n")
     return path
 
 

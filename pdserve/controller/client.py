@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from http import HTTPStatus
 from typing import Any
 
@@ -51,6 +51,9 @@ class PDController(EngineClient):
         self.metrics.watch_admission(self.admission)
         self.active: dict[str, list[Sequence]] = {}
         self._closing = False  # shutting down: new requests are refused, streams finish
+        # Called on the event loop as the shutdown begins: the server stops accepting
+        # connections, so new ones go to the other API servers on the port (server.py).
+        self.on_closing: Callable[[], None] = lambda: None
         self._stopped = False
 
     # ---- generation ------------------------------------------------------------------------
@@ -251,6 +254,7 @@ class PDController(EngineClient):
             self._stopped = True
             self._abort_all()
             return
+        loop.call_soon_threadsafe(self.on_closing)
         if timeout:
             done = asyncio.run_coroutine_threadsafe(self._finish_streams(timeout), loop)
             try:

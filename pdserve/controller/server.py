@@ -258,12 +258,20 @@ async def serve(args: argparse.Namespace) -> None:
             ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
             ssl_ciphers=args.ssl_ciphers, **({"log_config": log_config} if log_config else {}))
         _enable_pdserve_loggers()
+        controller.on_closing = lambda: stop_listening(app)
         await shutdown_task
     finally:
         sampler.cancel()
         controller.shutdown()
         await pool.close()
         sock.close()
+
+
+def stop_listening(app) -> None:
+    """Close the listening socket(s), not the connections: streams in flight go on, and new
+    connections go to the other API servers sharing the port (SO_REUSEPORT), or are refused."""
+    for server in getattr(getattr(app.state, "server", None), "servers", ()):
+        server.close()
 
 
 def _enable_pdserve_loggers() -> None:
