@@ -32,7 +32,12 @@ def _serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", type=int, default=1, help="decode workers")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--worker-port", type=int, default=8001)
+    p.add_argument("--worker-port", type=int, default=8001,
+                   help="where workers register (with --api-servers N: API server i takes "
+                        "this port + i; the workers are given the first and find the others)")
+    p.add_argument("--api-servers", type=_positive, default=1,
+                   help="controller processes sharing --port, each a whole controller over the "
+                        "same workers (the controller's --api-servers)")
     p.add_argument("--keys", default=None,
                    help="use these `pdserve keygen` keys (default: fresh keys for this run)")
     p.add_argument("--no-keys", action="store_true",
@@ -50,6 +55,13 @@ def _serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--verbose", action="store_true",
                    help="print the controller's and workers' logs here instead of to files")
     return p
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {text}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,7 +26,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 from pdserve import preflight
 from pdserve.models import BUILTIN_MODEL_NAME, cache_dir, default_model_dir, resolve_model
@@ -51,6 +51,23 @@ def assign_cores(n_engines: int, cores: list[int]) -> list[str | None]:
     return out
 
 
+def controller_command(args, model: str, name: str | None, keys: str | None) -> list[str]:
+    """The controller's command line; with --api-servers N it starts N API servers on --port,
+    API server i taking worker port --worker-port + i."""
+    cmd = [sys.executable, "-m", "pdserve.cli", "controller", "--model", model,
+           "--host", args.host, "--port", str(args.port), "--worker-host", "127.0.0.1",
+           "--worker-port", str(args.worker_port),
+           # serve's own polling while it starts, not worth a line each
+           "--disable-access-log-for-endpoints", "/pd/workers"]
+    if args.api_servers > 1:
+        cmd += ["--api-servers", str(args.api_servers)]
+    if name:
+        cmd += ["--served-model-name", name]
+    if keys:
+        cmd += ["--keys", keys]
+    return cmd + args.controller_arg
+
+
 def worker_command(role: str, controller: str, model: str, cores: str | None,
                    keys: str | None, extra: list[str]) -> list[str]:
     cmd = [sys.executable, "-m", "pdserve.cli", "worker", "--role", role,
@@ -62,18 +79,27 @@ def worker_command(role: str, controller: str, model: str, cores: str | None,
     return cmd + extra
 
 
-def _get_json(url: str, timeout: float = 2.0) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return json.loads(r.read())
+CONTROLLER_HEADER = "x-pdserve-controller"
+
+
+def get_pool(base: str, timeout: float = 2.0) -> tuple[str, list[dict]]:
+    """The id of the controller that answered on `base` (one of the API servers sharing the
+    port) and its view of the pool."""
+    with urllib.request.urlopen(base + "/pd/workers", timeout=timeout) as r:
+        return r.headers.get(CONTROLLER_HEADER, ""), json.loads(r.read())
 
 
 def wait_ready(base: str, expected: int, children: list[Child], timeout: float,
                stopping: Callable[[], bool] = lambda: False,
-               progress: Callable[[list[dict]], None] | None = None) -> bool:
-    """True once `expected` workers are ready; False if `stopping()` turns true first. A child
-    exiting now is an error, not restarted: at start-up it is most likely a wrong flag.
-    `progress` is given the pool (/pd/workers) each time the controller answers."""
+               progress: Callable[[list[dict]], None] | None = None,
+               api_servers: int = 1) -> bool:
+    """True once `expected` workers are ready in the view of `api_servers` different
+    controllers answering on `base` (new connections reach each API server sharing the port in
+    turn, as the kernel spreads them); False if `stopping()` turns true first. A child exiting
+    now is an error, not restarted: at start-up it is most likely a wrong flag. `progress` is
+    given the pool (/pd/workers) each time a controller answers."""
     deadline = time.monotonic() + timeout
+    ready: set[str] = set()  # controllers that have seen every worker ready
     while time.monotonic() < deadline:
         if stopping():
             return False
@@ -82,15 +108,17 @@ def wait_ready(base: str, expected: int, children: list[Child], timeout: float,
                 raise ChildExited(f"{c.name} exited with code {c.proc.returncode} during "
                                   "start-up", c)
         try:
-            workers = _get_json(base + "/pd/workers")
+            controller, workers = get_pool(base)
         except OSError:
             workers = None
         if workers is not None:
             if progress is not None:
                 progress(workers)
             if sum(w["state"] == "ready" for w in workers) >= expected:
-                return True
-        time.sleep(0.5)
+                ready.add(controller)
+                if len(ready) >= api_servers:
+                    return True
+        time.sleep(0.5 if len(ready) == 0 else 0.1)
     raise TimeoutError(f"the pool was not ready after {timeout:.0f} s")
 
 
@@ -121,16 +149,22 @@ class StartProgress:
 
 def preflight_problem(args) -> str | None:
     """What would stop this serve from starting, found before anything starts."""
-    if args.port == args.worker_port:
-        return f"--port and --worker-port are both {args.port}: give them different ports"
-    problem = (preflight.port_problem(args.host, args.port, "--port")
-               or preflight.port_problem("127.0.0.1", args.worker_port, "--worker-port"))
+    worker_ports = range(args.worker_port, args.worker_port + args.api_servers)
+    if args.port in worker_ports:
+        if args.api_servers == 1:
+            return f"--port and --worker-port are both {args.port}: give them different ports"
+        return (f"--port {args.port} is one of the worker ports of the {args.api_servers} API "
+                f"servers ({worker_ports[0]}-{worker_ports[-1]}): give it another port")
+    problem = preflight.port_problem(args.host, args.port, "--port")
+    for port in worker_ports:
+        problem = problem or preflight.port_problem("127.0.0.1", port, "--worker-port")
     if problem is None and preflight.cpu_build():
         model = args.model or str(default_model_dir())
         problem = preflight.memory_problem(args.prefill + args.decode,
                                            preflight.kv_cache_gib(args.worker_arg),
                                            preflight.weights_gib(model),
-                                           preflight.available_gib())
+                                           preflight.available_gib(),
+                                           controllers=args.api_servers)
     return problem
 
 
@@ -188,16 +222,7 @@ def serve(args) -> int:
         return Child(name, proc, logs / f"{name}.log")
 
     sup = Supervisor(spawn)
-    ctl = [sys.executable, "-m", "pdserve.cli", "controller", "--model", model,
-           "--host", args.host, "--port", str(args.port), "--worker-host", "127.0.0.1",
-           "--worker-port", str(args.worker_port),
-           # serve's own polling while it starts, not worth a line each
-           "--disable-access-log-for-endpoints", "/pd/workers"]
-    if name:
-        ctl += ["--served-model-name", name]
-    if keys:
-        ctl += ["--keys", keys]
-    ctl += args.controller_arg
+    ctl = controller_command(args, model, name, keys)
     signals: list[int] = []
 
     def on_signal(signum, _frame):
@@ -213,7 +238,9 @@ def serve(args) -> int:
         progress.say(f"logs in {logs}")
     try:
         sup.start("controller", ctl, restart=False)
-        progress.say(f"controller starting ({base})")
+        apis = f", {args.api_servers} API servers" if args.api_servers > 1 else ""
+        progress.say(f"controller starting ({base}{apis})")
+        # The first API server's worker port: it names the others to the workers (siblings).
         controller_url = f"tcp://127.0.0.1:{args.worker_port}"
         roles = ["prefill"] * args.prefill + ["decode"] * args.decode
         cores = assign_cores(len(roles), sorted(os.sched_getaffinity(0)))
@@ -225,8 +252,8 @@ def serve(args) -> int:
                                             args.worker_arg))
             progress.say(f"{child} loading its engine" + (f" (cores {core})" if core else ""))
         if wait_ready(base, len(roles), sup.children, args.start_timeout, lambda: bool(signals),
-                      lambda workers: progress.seen(workers, sup.children)):
-            print(f"pdserve ready: {base}/v1  ({args.prefill} prefill, {args.decode} decode; "
+                      lambda workers: progress.seen(workers, sup.children), args.api_servers):
+            print(f"pdserve ready: {base}/v1  ({args.prefill} prefill, {args.decode} decode{apis}; "
                   f"pool at {base}/pd/workers, dashboard at {base}/pd/dashboard)", flush=True)
             print(try_it(base, name or model), flush=True)
             supervise(sup, lambda: bool(signals))

@@ -30,3 +30,13 @@ def bind_error(host: str, port: int) -> OSError | None:
         except OSError as e:
             return e
     return None
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> int:
+    """The first of `n` consecutive ports nothing listens on at `host` now (the worker ports of
+    `pdserve controller --api-servers n`)."""
+    for _ in range(100):
+        first = free_port(host)
+        if first + n <= 65536 and all(bind_error(host, first + i) is None for i in range(1, n)):
+            return first
+    raise OSError(f"found no {n} consecutive free ports on {host}")

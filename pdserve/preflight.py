@@ -31,10 +31,11 @@ def port_problem(host: str, port: int, flag: str) -> str | None:
 
 
 def memory_problem(workers: int, kv_gib: float, weights_gib: float,
-                   available_gib: float | None) -> str | None:
-    """Why `workers` CPU workers (and a controller) would not fit in memory, or None."""
+                   available_gib: float | None, controllers: int = 1) -> str | None:
+    """Why `workers` CPU workers (and `controllers` API servers) would not fit in memory, or
+    None."""
     each = WORKER_GIB + kv_gib + weights_gib
-    need = CONTROLLER_GIB + workers * each
+    need = controllers * CONTROLLER_GIB + workers * each
     if available_gib is None or need <= available_gib:
         return None
     return (f"not enough memory: {workers} worker(s) need about {need:.1f} GiB ({each:.1f} GiB "

@@ -2,7 +2,8 @@
 kustomize and validates every rendered resource against the OpenAPI (JSON) schemas of concrete
 Kubernetes versions, strictly: an unknown field, a wrong type or an unknown kind fails. Then it
 checks what schemas cannot: selectors that match their pods, ports and ConfigMaps that exist,
-HPA targets that exist, quantities that parse, $(VAR) references that are defined.
+HPA targets that exist, quantities that parse, $(VAR) references that are defined, rolling
+updates that can make progress, disruption budgets that let a node drain go on.
 
 scripts/validate-manifests.sh finds the tools (a Python with kubernetes-validate, a kustomize)
 and runs this with `--kustomize`. Exit status: 0 when every resource of every target passes, 1
@@ -207,6 +208,12 @@ def _workload_errors(resources: list[Resource]) -> list[str]:
     for r, labels, pod in pod_templates(resources):
         if r.get("kind") != "Job" and not matches((r.get("spec") or {}).get("selector"), labels):
             errs.append(f"{ident(r)}: spec.selector does not match its pod template's labels")
+        rolling = ((r.get("spec") or {}).get("strategy") or {}).get("rollingUpdate") or {}
+        if r.get("kind") == "Deployment" and rolling and \
+                all(str(rolling.get(f, "25%")) in ("0", "0%") for f in ("maxSurge",
+                                                                         "maxUnavailable")):
+            # The API server refuses it: such a rollout could never replace a pod.
+            errs.append(f"{ident(r)}: rollingUpdate has maxSurge and maxUnavailable both 0")
         ns = _ns(r)
         volumes = {v.get("name") for v in pod.get("volumes") or []}
         for v in pod.get("volumes") or []:
@@ -246,6 +253,9 @@ def _reference_errors(resources: list[Resource]) -> list[str]:
                     if _ns(w) == ns and matches(spec.get("selector"), labels)]
             if len(hits) != 1:
                 errs.append(f"{ident(r)}: selector matches {len(hits)} workloads, expected 1")
+            elif (why := _blocks_evictions(spec, _fewest_replicas(hits[0], resources))):
+                errs.append(f"{ident(r)}: allows no eviction ({why}): a node drain would wait "
+                            "forever")
         if kind == "HorizontalPodAutoscaler":
             ref = spec.get("scaleTargetRef") or {}
             if (ref.get("kind"), ns, ref.get("name")) not in names:
@@ -259,6 +269,29 @@ def _reference_errors(resources: list[Resource]) -> list[str]:
                     if f in target and not QUANTITY.match(str(target[f])):
                         errs.append(f"{ident(r)}: metric target {f} is not a quantity")
     return errs
+
+
+def _fewest_replicas(workload: Resource, resources: list[Resource]) -> int:
+    """The replicas a workload can run with: an HPA's minReplicas if one scales it, else its
+    spec.replicas (1 when unset)."""
+    for h in resources:
+        ref = (h.get("spec") or {}).get("scaleTargetRef") or {}
+        if (h.get("kind") == "HorizontalPodAutoscaler" and _ns(h) == _ns(workload)
+                and (ref.get("kind"), ref.get("name")) == (workload.get("kind"),
+                                                          workload["metadata"].get("name"))):
+            return int(h["spec"].get("minReplicas", 1))
+    return int((workload.get("spec") or {}).get("replicas", 1))
+
+
+def _blocks_evictions(pdb: dict, replicas: int) -> str | None:
+    """Why a PodDisruptionBudget over `replicas` pods lets none be evicted, or None (budgets
+    given as percentages are not judged)."""
+    if "minAvailable" in pdb and isinstance(pdb["minAvailable"], int) \
+            and pdb["minAvailable"] >= replicas:
+        return f"minAvailable {pdb['minAvailable']} with {replicas} replica(s)"
+    if pdb.get("maxUnavailable") == 0:
+        return "maxUnavailable 0"
+    return None
 
 
 def semantic_errors(resources: list[Resource]) -> list[str]:

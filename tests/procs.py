@@ -11,7 +11,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from pdserve.net import free_port  # noqa: F401  (tests take it from here)
+from pdserve.net import free_port, free_ports  # noqa: F401  (tests take them from here)
 
 
 class Proc:

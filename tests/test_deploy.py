@@ -2,10 +2,11 @@
 
 scripts/validate-manifests.sh renders the base and every overlay with kustomize and validates each
 resource strictly against the Kubernetes schemas (kubernetes-validate); these tests run it, read
-what it rendered, and check the properties pdserve relies on: the workers find the controller,
-probes and drain timing fit slow-loading GPU engines, the HPAs scale the right Deployments on
-metrics the controller exports. Broken copies of the manifests must fail, so the validator is
-known not to be a no-op.
+what it rendered, and check the properties pdserve relies on: the workers find every controller
+replica, the replicas roll without downtime, probes and drain timing fit slow-loading GPU
+engines, the HPAs scale the right Deployments on metrics the controller exports, counting each
+worker once however many replicas report it. Broken copies of the manifests must fail, so the
+validator is known not to be a no-op.
 """
 
 from __future__ import annotations
@@ -126,6 +127,12 @@ BROKEN = {
     # cross-reference: the Service points at a port name no pod has
     "service-port": ("base/controller.yaml", "      targetPort: workers\n",
                      "      targetPort: worker\n", "targetPort"),
+    # a rollout that could never replace a controller
+    "rollout-stuck": ("base/controller.yaml", "      maxSurge: 1\n", "      maxSurge: 0\n",
+                      "maxSurge and maxUnavailable both 0"),
+    # a budget that would block every node drain
+    "pdb-blocks": ("base/controller.yaml", "  minAvailable: 1\n", "  minAvailable: 2\n",
+                   "allows no eviction"),
 }
 
 
@@ -148,15 +155,31 @@ def test_kustomize_error_fails(tmp_path):
 
 # --- what pdserve needs from the manifests ----------------------------------------------------
 
-@pytest.mark.parametrize("target", ["base", "example"])
-def test_workers_register_with_the_controller_service(rendered, target):
-    res = rendered[target]
-    svc = get(res, "Service", "pdserve-controller")
-    ports = {p["name"]: p for p in svc["spec"]["ports"]}
-    assert ports["http"]["port"] == 8000 and ports["workers"]["port"] == 8001
+def controller_pod_labels(res: list[dict]) -> dict:
     ctrl = get(res, "Deployment", "pdserve-controller")
-    assert svc["spec"]["selector"].items() <= \
-        ctrl["spec"]["template"]["metadata"]["labels"].items()
+    return ctrl["spec"]["template"]["metadata"]["labels"]
+
+
+@pytest.mark.parametrize("target", ["base", "example"])
+def test_workers_register_with_every_controller_replica(rendered, target):
+    res = rendered[target]
+    labels = controller_pod_labels(res)
+    # Clients: a plain Service, which routes by readiness (a draining replica fails /health).
+    http = get(res, "Service", "pdserve-controller")
+    assert [p["port"] for p in http["spec"]["ports"]] == [8000]
+    assert http["spec"]["selector"].items() <= labels.items()
+    assert http["spec"].get("clusterIP") != "None"
+    assert not http["spec"].get("publishNotReadyAddresses")
+    # Workers: a headless Service, whose name resolves to every replica's pod IP, not-ready
+    # ones included (a replica is ready only once workers have registered with it).
+    (headless,) = [r for r in res if r["kind"] == "Service"
+                   and r["spec"].get("clusterIP") == "None"]
+    assert headless["spec"]["publishNotReadyAddresses"] is True
+    assert headless["spec"]["selector"].items() <= labels.items()
+    [wport] = headless["spec"]["ports"]
+    assert wport["port"] == 8001 and wport["targetPort"] == "workers"
+
+    ctrl = get(res, "Deployment", "pdserve-controller")
     cargs = container(ctrl)["args"]
     assert cargs[0] == "controller"
     assert flag(cargs, "--port") == str(port_named(container(ctrl), "http")) == "8000"
@@ -165,7 +188,7 @@ def test_workers_register_with_the_controller_service(rendered, target):
     assert flag(cargs, "--model") == "/models/model"
     assert flag(cargs, "--keys") == "/keys"
 
-    name, ns = svc["metadata"]["name"], svc["metadata"].get("namespace")
+    name, ns = headless["metadata"]["name"], headless["metadata"].get("namespace")
     allowed = {f"tcp://{name}:8001"} | ({f"tcp://{name}.{ns}.svc.cluster.local:8001",
                                          f"tcp://{name}.{ns}:8001"} if ns else set())
     for role, dep in worker_deployments(res).items():
@@ -183,6 +206,31 @@ def test_workers_register_with_the_controller_service(rendered, target):
         assert flag(args, "--advertise-host") == "$(POD_IP)"
         (pod_ip,) = [e for e in c["env"] if e["name"] == "POD_IP"]
         assert pod_ip["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+
+
+@pytest.mark.parametrize("target", ["base", "example"])
+def test_controller_replicas_roll_and_drain_without_downtime(rendered, target):
+    res = rendered[target]
+    ctrl = get(res, "Deployment", "pdserve-controller")
+    spec, pod, c = ctrl["spec"], ctrl["spec"]["template"]["spec"], container(ctrl)
+    assert spec["replicas"] >= 2
+    # A new replica comes up (and the workers register with it) before an old one stops.
+    assert spec["strategy"]["type"] == "RollingUpdate"
+    assert spec["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    pdb = get(res, "PodDisruptionBudget", "pdserve-controller")
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= controller_pod_labels(res).items()
+    assert pdb["spec"]["minAvailable"] == 1 < spec["replicas"]
+    # SIGTERM comes after the preStop pause; then the streams get --shutdown-timeout to finish,
+    # and the replica its Leave and exit: all inside the grace period, with room to spare.
+    pre = c["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre[0] == "sleep"
+    drain = int(pre[1]) + int(flag(c["args"], "--shutdown-timeout"))
+    assert pod["terminationGracePeriodSeconds"] >= drain + 15, (drain, pod)
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}, probe
+    # Liveness must not kill a draining replica (its /health fails from the SIGTERM on).
+    live = c["livenessProbe"]
+    assert live["periodSeconds"] * live["failureThreshold"] > pod["terminationGracePeriodSeconds"]
 
 
 @pytest.mark.parametrize("target", ["base", "example"])
@@ -264,7 +312,7 @@ def test_overlay_sets_image_replicas_and_namespace(rendered):
     assert len(images) == 1 and "pdserve:latest" not in images
     assert get(ex, "Deployment", "pdserve-prefill")["spec"]["replicas"] == 2
     assert get(ex, "Deployment", "pdserve-decode")["spec"]["replicas"] == 4
-    assert get(ex, "Deployment", "pdserve-controller")["spec"]["replicas"] == 1
+    assert get(ex, "Deployment", "pdserve-controller")["spec"]["replicas"] == 2
     assert {r["metadata"].get("namespace") for r in ex if r["kind"] != "Namespace"} == {"pdserve"}
     for role in WORKER_ROLES:
         args = container(get(ex, "Deployment", f"pdserve-{role}"))["args"]
@@ -276,6 +324,12 @@ def test_hpas_scale_the_worker_pools_on_controller_metrics(rendered):
     adapter = yaml.safe_load((KUBE / "overlays/example/prometheus-adapter-values.yaml").read_text())
     served = {rule["name"]["as"] for rule in adapter["rules"]["external"]}
     assert served <= CONTROLLER_METRICS
+    # Every controller replica reports every worker: each worker's series is taken once (max
+    # over the replicas), then aggregated over the workers, never summed over the replicas.
+    for rule in adapter["rules"]["external"]:
+        query = rule["metricsQuery"]
+        assert re.fullmatch(r"(sum|avg)\(max by \(worker\) "
+                            r"\(<<\.Series>>\{<<\.LabelMatchers>>\}\)\)", query), query
     for role in WORKER_ROLES:
         hpa = get(ex, "HorizontalPodAutoscaler", f"pdserve-{role}")
         spec = hpa["spec"]

@@ -221,3 +221,24 @@ def test_the_checks_catch_a_wrong_name_or_label(pdserve_series):
         assert s.metric not in pdserve_series
     (s,) = parse('pdserve_requests_total{kind="migration"}').selectors
     assert not set(s.labels) <= pdserve_series[s.metric] | SCRAPE_LABELS
+
+
+# The pool as each controller sees it: every controller replica (and API server) reports every
+# worker, so these come once per controller and must not be summed over them.
+POOL_GAUGES = ("pdserve_worker_running_requests", "pdserve_worker_waiting_requests",
+               "pdserve_worker_kv_usage_ratio", "pdserve_worker_heartbeat_age_seconds",
+               "pdserve_pool_workers")
+
+
+def test_the_pool_is_counted_once_however_many_controllers_report_it(dashboard):
+    direct = re.compile(r"\b(sum|max|min|avg|count)\s*(?:by\s*\([^)]*\)\s*)?\(\s*("
+                        + "|".join(POOL_GAUGES) + r")\b")
+    found = []
+    for where, expr, _ in queries(dashboard):
+        for aggregation, name in direct.findall(expr):
+            found.append(name)
+            assert aggregation in ("max", "min", "avg"), (where, expr)
+    assert set(found) == set(POOL_GAUGES)
+    # Legs and requests are each controller's own: those add up.
+    assert any(expr.startswith("sum(pdserve_worker_inflight_requests")
+               for _, expr, _ in queries(dashboard))

@@ -253,3 +253,92 @@ def test_waiting_for_the_pool_ends_when_serve_is_stopped() -> None:
     t0 = time.monotonic()
     assert wait_ready("http://127.0.0.1:9", 1, [], timeout=30, stopping=lambda: True) is False
     assert time.monotonic() - t0 < 5
+
+
+# --- several API servers ----------------------------------------------------------------------
+
+def serve_args(*argv: str):
+    from pdserve.cli import _serve_parser
+
+    return _serve_parser().parse_args(list(argv))
+
+
+def test_the_controller_is_given_the_api_servers_and_the_workers_the_first_port() -> None:
+    from pdserve.launcher import controller_command
+
+    args = serve_args("--api-servers", "3", "--port", "9000", "--worker-port", "9001",
+                      "--controller-arg=--dead-after=5")
+    cmd = controller_command(args, "/m", "tiny", "/k")
+    assert cmd[cmd.index("--api-servers") + 1] == "3"
+    assert cmd[cmd.index("--worker-port") + 1] == "9001"
+    assert cmd[cmd.index("--port") + 1] == "9000"
+    assert cmd[-1] == "--dead-after=5"  # the user's own flags last: they win
+    assert "--api-servers" not in controller_command(serve_args(), "/m", None, None)
+    with pytest.raises(SystemExit):
+        serve_args("--api-servers", "0")
+
+
+def test_every_api_servers_worker_port_is_checked_before_start() -> None:
+    import socket
+
+    from pdserve.launcher import preflight_problem
+    from pdserve.net import free_port
+
+    problem = preflight_problem(serve_args("--api-servers", "3", "--port", "9002",
+                                           "--worker-port", "9001"))
+    assert problem is not None and "one of the worker ports of the 3 API servers (9001-9003)" \
+        in problem
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        second = taken.getsockname()[1]
+        problem = preflight_problem(serve_args("--api-servers", "2", "--port", str(free_port()),
+                                               "--worker-port", str(second - 1)))
+    assert problem is not None and f"port {second} on 127.0.0.1 is in use" in problem
+
+
+class PoolViews:
+    """An HTTP /pd/workers answered in turn by the controllers named, as API servers sharing a
+    port answer new connections."""
+
+    def __init__(self, views: list[tuple[str, int]]):
+        import http.server
+        import json
+        import threading
+
+        answers = iter(views)
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                controller, ready = next(answers, views[-1])
+                body = json.dumps([{"state": "ready"}] * ready).encode()
+                self.send_response(200)
+                self.send_header("x-pdserve-controller", controller)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.base = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.seen = 0
+
+    def progress(self, workers) -> None:
+        self.seen += 1
+
+
+def test_serve_is_ready_once_every_api_server_has_seen_every_worker() -> None:
+    # The first controller has both workers at once; the second sees one, then both.
+    views = PoolViews([("a", 2), ("b", 1), ("a", 2), ("b", 2), ("a", 2)])
+    try:
+        assert wait_ready(views.base, 2, [], timeout=30, progress=views.progress, api_servers=2)
+        assert views.seen == 4
+        one = PoolViews([("a", 2)])
+        assert wait_ready(one.base, 2, [], timeout=30, progress=one.progress)
+        assert one.seen == 1
+        one.server.shutdown()
+    finally:
+        views.server.shutdown()

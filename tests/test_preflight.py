@@ -54,3 +54,12 @@ def test_available_memory_and_weights(tmp_path) -> None:
     assert preflight.weights_gib(str(tmp_path)) == 1024 / preflight.GIB
     assert preflight.weights_gib(str(tmp_path / "not-built-yet")) == 0.0
     assert preflight.weights_gib(None) == 0.0
+
+
+def test_memory_counts_each_api_server() -> None:
+    each = preflight.WORKER_GIB + 1 + 0.5
+    one = preflight.CONTROLLER_GIB + 2 * each
+    assert preflight.memory_problem(2, 1, 0.5, available_gib=one) is None
+    assert preflight.memory_problem(2, 1, 0.5, available_gib=one, controllers=3) is not None
+    assert preflight.memory_problem(2, 1, 0.5, available_gib=one + 2 * preflight.CONTROLLER_GIB,
+                                    controllers=3) is None

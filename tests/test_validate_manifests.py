@@ -103,10 +103,29 @@ def broken(change) -> list[str]:
     (lambda r: r.append(copy.deepcopy(r[1])), "defined twice"),
     (lambda r: r[0]["metadata"].update(name="PDserve"), "not a DNS-1123"),
     (lambda r: r[0]["metadata"]["labels"].update(app="-x"), "not a valid label value"),
+    (lambda r: r[0]["spec"].update(strategy={"type": "RollingUpdate", "rollingUpdate": {
+        "maxSurge": 0, "maxUnavailable": "0%"}}), "maxSurge and maxUnavailable both 0"),
+    (lambda r: r[3]["spec"].update(maxUnavailable=0), "allows no eviction (maxUnavailable 0)"),
+    # The HPA may scale the Deployment down to its minReplicas (1).
+    (lambda r: (r[0]["spec"].update(replicas=3), r[3]["spec"].pop("maxUnavailable"),
+                r[3]["spec"].update(minAvailable=1)),
+     "allows no eviction (minAvailable 1 with 1 replica(s))"),
 ])
 def test_each_inconsistency_is_named(change, message) -> None:
     errors = broken(change)
     assert any(message in e for e in errors), errors
+
+
+def test_a_budget_that_leaves_room_for_a_drain_passes() -> None:
+    res = manifests()
+    res[0]["spec"].update(replicas=2, strategy={"type": "RollingUpdate", "rollingUpdate": {
+        "maxSurge": 1, "maxUnavailable": 0}})
+    res[3]["spec"] = {"minAvailable": 1, "selector": res[3]["spec"]["selector"]}
+    res[4]["spec"]["minReplicas"] = 2
+    assert vm.semantic_errors(res) == []
+    res[3]["spec"]["minAvailable"] = "50%"  # percentages are not judged
+    res[4]["spec"]["minReplicas"] = 1
+    assert vm.semantic_errors(res) == []
 
 
 def test_label_selectors_follow_kubernetes() -> None:

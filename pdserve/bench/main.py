@@ -33,7 +33,8 @@ def make_parser() -> argparse.ArgumentParser:
         description="Compare disaggregated (XpYd) and colocated serving on this machine. "
                     "`pdserve bench overhead --help` describes the controller-overhead benchmark, "
                     "`pdserve bench overload --help` the admission-control one, "
-                    "`pdserve bench soak --help` the long-run reliability one.")
+                    "`pdserve bench soak --help` the long-run reliability one, "
+                    "`pdserve bench scaleout --help` the one for several API servers.")
     p.add_argument("--configs", default="1P1D,colocated",
                    help="XpYd[@T][:decode-first] and/or colocated[N], comma-separated. @T: the "
                         "controller's --local-prefill-threshold (@0: every prompt handed over); "
@@ -171,6 +172,10 @@ def main(argv: list[str] | None = None) -> int:
         from pdserve.bench.overload import main as overload_main
 
         return overload_main(argv[1:])
+    if argv and argv[0] == "scaleout":
+        from pdserve.bench.scaleout import main as scaleout_main
+
+        return scaleout_main(argv[1:])
     if argv and argv[0] == "soak":
         from pdserve.bench.soak import main as soak_main
 
