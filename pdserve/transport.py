@@ -26,6 +26,9 @@ logger = logging.getLogger(__name__)
 SEND_HWM = 100_000
 RECV_HWM = 100_000
 LINGER_MS = 0  # on close, unsent messages are dropped: their requests are failed anyway
+# Messages taken per wakeup of the event loop: a burst of outputs costs one wakeup, and a
+# flood still lets the streams run between batches.
+RECV_BATCH = 32
 
 CONTROLLER_KEY = "controller"
 WORKER_KEY = "worker"
@@ -147,3 +150,34 @@ def send_nowait(sock: zmq.asyncio.Socket, msg: protocol._Msg, to: bytes | None =
 def _log_failed_send(fut) -> None:
     if not fut.cancelled() and fut.exception() is not None:
         logger.warning("dropped a message: %s", fut.exception())
+
+
+class Receiver:
+    """Receives from an asyncio socket in batches: the next message and those already queued
+    behind it, read without a future each (zmq.asyncio makes one, with a loop callback, per
+    message)."""
+
+    def __init__(self, sock: zmq.asyncio.Socket, limit: int = RECV_BATCH):
+        self._sock = sock
+        self._sync: zmq.Socket = zmq.Socket.shadow(sock.underlying)
+        self._limit = limit
+        self._full = False
+
+    async def recv(self) -> list[list[bytes]]:
+        if self._full:  # a flood: let the rest of the loop run before taking more
+            await asyncio.sleep(0)
+        batch = [await self._sock.recv_multipart()]
+        recv = self._sync.recv
+        while len(batch) < self._limit:
+            try:
+                frame = recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            # Frame by frame, reading `more` off each (recv_multipart asks the socket).
+            frames = [frame.bytes]
+            while frame.more:
+                frame = recv(zmq.NOBLOCK, copy=False)
+                frames.append(frame.bytes)
+            batch.append(frames)
+        self._full = len(batch) == self._limit
+        return batch

@@ -5,11 +5,17 @@
     (one request at a time by default); TTFT, TPOT, ITL and E2E of the same requests.
 (b) throughput: the controller with fake workers (pdserve.fake) that produce tokens instantly,
     at rising concurrency: output tokens/s streamed to the client and controller CPU per token.
+(c) cost per token against vLLM's own server: the same fake engine, paced at the same rate
+    (`--c-decode-delay` between a request's tokens), first in-process behind vLLM's OpenAI
+    server (bench/inproc.py), then in fake workers behind pdserve's controller; the same trace
+    and client, back to back, in rounds that alternate the order; server CPU per streamed token,
+    tokens per SSE chunk, and the ratio to vLLM's server in the same round.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import logging
@@ -29,7 +35,7 @@ logger = logging.getLogger("pdserve.bench.overhead")
 
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve bench overhead", description=__doc__.split("\n")[0])
-    p.add_argument("--part", default="all", choices=["a", "b", "all"])
+    p.add_argument("--part", default="all", choices=["a", "b", "c", "all"])
     p.add_argument("--model", default=None, help="model folder (default: the `bench` preset)")
     p.add_argument("--preset", default="bench")
     p.add_argument("--out", default=None, help="default: bench-results/overhead-<timestamp>")
@@ -46,6 +52,16 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--b-configs", default="both1,1P1D",
                    help="(b) fake pools: bothN (local prefill) and/or XpYd")
     p.add_argument("--b-keys", default="on,off", help="(b) CurveZMQ on the control plane")
+    p.add_argument("--c-concurrency", default="32",
+                   help="(c) requests in flight, comma-separated levels")
+    p.add_argument("--c-decode-delay", type=float, default=0.01,
+                   help="(c) seconds between a request's tokens, in every fake engine")
+    p.add_argument("--c-output-len", type=int, default=256)
+    p.add_argument("--c-input-len", type=int, default=32)
+    p.add_argument("--c-configs", default="both1,1P1D",
+                   help="(c) pdserve's fake pools (bothN and/or XpYd), CurveZMQ on")
+    p.add_argument("--c-rounds", type=int, default=2,
+                   help="(c) each server once per round, the order reversed every other round")
     p.add_argument("--no-keys", action="store_true", help="(a) control plane without CurveZMQ")
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--quiet-below", type=float, default=30.0,
@@ -96,23 +112,27 @@ def part_a(args: argparse.Namespace, model: str, out: Path) -> dict[str, Any]:
     return res
 
 
-def fake_worker_cmd(model: str) -> cluster.WorkerCmd:
+def fake_worker_cmd(model: str, decode_delay: float = 0.0) -> cluster.WorkerCmd:
     def cmd(role: str, controller: str, core: str | None, keys: str | None) -> list[str]:
         c = [sys.executable, "-m", "pdserve.fake", "worker", "--role", role, "--controller",
-             controller, "--model", model]
+             controller, "--model", model, "--decode-delay", str(decode_delay)]
         return c + (["--keys", keys] if keys else [])
     return cmd
+
+
+def fake_pool(spec: str) -> cluster.Config:
+    """`bothN` (N workers of role both, every prompt local) or `XpYd`."""
+    if spec.startswith("both"):
+        return cluster.Config(f"fake-{spec}", both=int(spec[4:] or 1))
+    x = cluster.parse_configs(spec)[0]
+    return cluster.Config(f"fake-{x.name}", prefill=x.prefill, decode=x.decode)
 
 
 def part_b(args: argparse.Namespace, model: str, out: Path, rows: list[dict[str, Any]],
            saved: Callable[[], None]) -> None:
     levels = [int(c) for c in args.b_concurrency.split(",") if c.strip()]
     for spec in [s.strip() for s in args.b_configs.split(",") if s.strip()]:
-        if spec.startswith("both"):
-            cfg = cluster.Config(f"fake-{spec}", both=int(spec[4:] or 1))
-        else:
-            x = cluster.parse_configs(spec)[0]
-            cfg = cluster.Config(f"fake-{x.name}", prefill=x.prefill, decode=x.decode)
+        cfg = fake_pool(spec)
         for keys in [k.strip() == "on" for k in args.b_keys.split(",") if k.strip()]:
             name = f"{cfg.name}-{'keys' if keys else 'nokeys'}"
             with cluster.PdDeployment(cluster.Config(name, cfg.prefill, cfg.decode, cfg.both),
@@ -153,6 +173,101 @@ def _throughput_row(name: str, keys: bool, concurrency: int, run: dict[str, Any]
             "ttft_p50_ms": s["ttft"]["p50"], "itl_p99_ms": s["itl"]["p99"]}
 
 
+class InprocDeployment(cluster.VllmDeployment):
+    """vLLM's OpenAI server over an in-process fake engine (bench/inproc.py), not pinned."""
+
+    def __init__(self, model: str, workdir: Path, decode_delay: float):
+        super().__init__(model, workdir, core=None)
+        self.logdir = workdir / "logs" / "vllm-inproc"
+        self.logdir.mkdir(parents=True, exist_ok=True)
+        self.decode_delay = decode_delay
+
+    def command(self, port: int) -> list[str]:
+        return [sys.executable, "-m", "pdserve.bench.inproc", "--model", self.model,
+                "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
+                "--disable-uvicorn-access-log", "--decode-delay", str(self.decode_delay)]
+
+
+def part_c(args: argparse.Namespace, model: str, out: Path, res: dict[str, Any],
+           saved: Callable[[], None]) -> None:
+    from pdserve.bench import inproc
+
+    levels = [int(c) for c in args.c_concurrency.split(",") if c.strip()]
+    delay = args.c_decode_delay
+    rows: list[dict[str, Any]] = res.setdefault("rows", [])
+    res["workload"] = (f"{args.c_input_len} prompt tokens, {args.c_output_len} out, one token "
+                       f"every {1e3 * delay:g} ms per request")
+    with contextlib.ExitStack() as stack:
+        # All up at once (idle, they cost little), so that each level's runs are back to back.
+        servers: dict[str, tuple[str, str]] = {}  # name -> (url, the server's process group)
+        dep: cluster.Deployment = stack.enter_context(InprocDeployment(model, out, delay))
+        servers["vllm"] = (dep.start(args.start_timeout), "vllm-server")
+        deps: dict[str, cluster.Deployment] = {"vllm": dep}
+        for spec in [s.strip() for s in args.c_configs.split(",") if s.strip()]:
+            cfg = fake_pool(spec)
+            name = f"pdserve {cfg.name.removeprefix('fake-')}"
+            dep = stack.enter_context(cluster.PdDeployment(
+                cluster.Config(f"c-{cfg.name}", cfg.prefill, cfg.decode, cfg.both), model, out,
+                keys=True, worker_cmd=fake_worker_cmd(model, delay)))
+            servers[name] = (dep.start(args.start_timeout), "controller")
+            deps[name] = dep
+        warm = _trace(out, "c-warmup", 8, args.c_input_len, 16, args.seed, 97)
+        for name, (url, _) in servers.items():
+            run_client(ClientRun(url, model, warm, 8, out / "raw" / "c-warmup.json", metrics.Slo(),
+                                 max_concurrency=8), deps[name].logdir / "client.log", args.seed)
+        for i, c in enumerate(levels):
+            n = 2 * c
+            trace = _trace(out, f"c-c{c}", n, args.c_input_len, args.c_output_len, args.seed, i)
+            for r in range(args.c_rounds):
+                order = list(servers) if r % 2 == 0 else list(reversed(servers))
+                for name in order:
+                    url, group = servers[name]
+                    procs.wait_quiet(args.quiet_below, args.quiet_timeout)
+                    tag = name.replace(" ", "-")
+                    run = run_measured(ClientRun(url, model, trace, n,
+                                                 out / "raw" / f"c-{tag}-c{c}-r{r}.json",
+                                                 metrics.Slo(), max_concurrency=c),
+                                       deps[name].groups(), deps[name].logdir / "client.log",
+                                       args.seed)
+                    rows.append(_cost_row(name, group, c, r, run))
+                    logger.info("%s concurrency %d round %d: %.1f us per token", name, c, r,
+                                rows[-1]["server_us_per_token"])
+                for row in rows:
+                    if row["concurrency"] == c and row["round"] == r:
+                        base = next(x for x in rows if x["server"] == "vllm"
+                                    and x["concurrency"] == c and x["round"] == r)
+                        row["x_vllm"] = round(row["server_us_per_token"]
+                                              / max(base["server_us_per_token"], 1e-9), 2)
+                saved()
+    # What the fake engine itself costs per token inside vLLM's server (its figure includes it).
+    res["engine_us_per_token"] = {
+        c: inproc.engine_cost(c, 2 * c, args.c_input_len, args.c_output_len, delay)
+        for c in levels}
+    saved()
+
+
+def _cost_row(name: str, group: str, concurrency: int, rnd: int, run: dict[str, Any]
+              ) -> dict[str, Any]:
+    result = run.pop("result")
+    recs = metrics.records_from_vllm(result)
+    s = metrics.summarize(recs, run["duration"], metrics.Slo())
+    ok = [r for r in recs if r.ok]
+    tokens = sum(r.output_len for r in ok)
+    chunks = sum(len(r.itl) + 1 for r in ok)
+    server = run["cpu"][group]
+    rest = sum(v["cpu_s"] for k, v in run["cpu"].items()
+               if k not in (group, "machine", "others", "client"))
+    return {"server": name, "concurrency": concurrency, "round": rnd, "tokens": tokens,
+            "failed": s["failed"], "output_tok_s": s["output_throughput"],
+            "server_core_pct": server["core_pct"],
+            "server_us_per_token": round(1e6 * server["cpu_s"] / max(tokens, 1), 1),
+            "tokens_per_chunk": round(tokens / max(chunks, 1), 2),
+            "workers_core_pct": round(100.0 * rest / run["duration"], 1),
+            "client_core_pct": run["cpu"]["client"]["core_pct"],
+            "others_core_pct": run["cpu"]["others"]["core_pct"],
+            "itl_p50_ms": s["itl"]["p50"], "itl_p99_ms": s["itl"]["p99"]}
+
+
 def markdown(res: dict[str, Any]) -> str:
     out = ["# pdserve bench overhead", "", f"- command: `{res['command']}`",
            f"- model: `{res['model']}`", ""]
@@ -183,6 +298,28 @@ def markdown(res: dict[str, Any]) -> str:
                        f"| {report.fmt_ms(r['ttft_p50_ms'])} | {report.fmt_ms(r['itl_p99_ms'])} "
                        f"| {r['failed']} |")
         out.append("")
+    if "c" in res:
+        c = res["c"]
+        out += ["## (c) server CPU per streamed token: vLLM's server vs pdserve's controller", "",
+                f"Workload: {c.get('workload', '')}; the same fake engine behind each (in-process "
+                "behind vLLM's server, in fake worker processes behind pdserve, CurveZMQ on).", "",
+                ("| server | in flight | round | output tokens/s | server CPU (% of a core) "
+                 "| server CPU per token (us) | x vLLM's | tokens per SSE chunk "
+                 "| fake workers CPU | benchmark client CPU | others' CPU | ITL p50 / p99 (ms) "
+                 "| failed |"),
+                "|" + "---|" * 13]
+        for r in c.get("rows", []):
+            out.append(f"| {r['server']} | {r['concurrency']} | {r['round']} "
+                       f"| {r['output_tok_s']:,.0f} | {r['server_core_pct']:.0f} "
+                       f"| {r['server_us_per_token']:.0f} | {r.get('x_vllm', float('nan')):.2f} "
+                       f"| {r['tokens_per_chunk']:.2f} | {r['workers_core_pct']:.0f} "
+                       f"| {r['client_core_pct']:.0f} | {r['others_core_pct']:.0f} "
+                       f"| {report.fmt_ms(r['itl_p50_ms'])} / {report.fmt_ms(r['itl_p99_ms'])} "
+                       f"| {r['failed']} |")
+        for lvl, us in c.get("engine_us_per_token", {}).items():
+            out.append(f"\nThe fake engine alone (in-process, {lvl} in flight, same pacing): "
+                       f"{us:.0f} us of CPU per token, included in vLLM's server's figure.")
+        out.append("")
     return "\n".join(out)
 
 
@@ -207,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.part in ("b", "all"):
         res["b"] = []
         part_b(args, model, out, res["b"], save)
+    if args.part in ("c", "all"):
+        res["c"] = {}
+        part_c(args, model, out, res["c"], save)
     print(markdown(res))
     print(f"results in {out}/ (overhead.json, overhead.md)")
     return 0

@@ -3,11 +3,13 @@
 Workers always stream DELTA outputs; the client asked for DELTA (streaming), CUMULATIVE or
 FINAL_ONLY (non-streaming). A `Stream` keeps what one request has produced so far, so that it can
 answer in any kind, report what the client has seen (for migration), and never emit a token twice.
+
+This runs once per token of every stream the controller carries: a delta is appended without
+copies, a sequence's text is joined only when a whole output is asked for, and a DELTA output is
+built from lists that belong to it alone (no copy when it is handed out).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 from vllm.logprobs import Logprob
 from vllm.outputs import CompletionOutput, RequestOutput
@@ -20,15 +22,26 @@ def _lp_dict(entries: list[TokenLogprob]) -> dict[int, Logprob]:
     return {e.token_id: Logprob(e.logprob, e.rank, e.decoded) for e in entries}
 
 
-@dataclass
 class _Seq:
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, Logprob]] | None = None
-    cumulative_logprob: float | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
+    """One sequence's output: everything so far, or (DELTA) what arrived since the last emit."""
+
+    __slots__ = ("index", "_text", "token_ids", "logprobs", "cumulative_logprob",
+                 "finish_reason", "stop_reason")
+
+    def __init__(self, index: int, logprobs: list[dict[int, Logprob]] | None = None):
+        self.index = index
+        self._text: list[str] = []  # joined when read: no quadratic concatenation
+        self.token_ids: list[int] = []
+        self.logprobs = logprobs
+        self.cumulative_logprob: float | None = None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+    @property
+    def text(self) -> str:
+        if len(self._text) > 1:
+            self._text[:] = ["".join(self._text)]
+        return self._text[0] if self._text else ""
 
 
 class Stream:
@@ -40,15 +53,17 @@ class Stream:
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.kind = kind
-        self.seqs = [_Seq(i, logprobs=[] if want_logprobs else None) for i in range(n)]
+        self._delta = kind == RequestOutputKind.DELTA
+        self.seqs = [_Seq(i, [] if want_logprobs else None) for i in range(n)]
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
         self.num_cached_tokens: int | None = None
         self._pending: dict[int, _Seq] = {}  # DELTA kind: what arrived since the last emit
+        self._running = n  # sequences without a finish reason
         self._emitted = False
 
     @property
     def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.seqs)
+        return self._running == 0
 
     def tokens(self, index: int = 0) -> list[int]:
         return self.seqs[index].token_ids
@@ -62,50 +77,59 @@ class Stream:
         seq = self.seqs[delta.index if index is None else index]
         if seq.finish_reason is not None:
             return  # nothing may follow a finished sequence
-        seq.text += delta.text
-        seq.token_ids.extend(delta.token_ids)
+        if delta.text:
+            seq._text.append(delta.text)
+        seq.token_ids += delta.token_ids
         new_lps = None
         if seq.logprobs is not None and delta.logprobs is not None:
             new_lps = [_lp_dict(p) for p in delta.logprobs]
-            seq.logprobs.extend(new_lps)
+            seq.logprobs += new_lps
         if delta.cumulative_logprob is not None:
             seq.cumulative_logprob = delta.cumulative_logprob
-        seq.finish_reason = delta.finish_reason
+        if delta.finish_reason is not None:
+            seq.finish_reason = delta.finish_reason
+            self._running -= 1
         seq.stop_reason = delta.stop_reason
-        if self.kind == RequestOutputKind.DELTA:
-            p = self._pending.setdefault(seq.index, _Seq(seq.index,
-                                                         logprobs=[] if new_lps is not None else None))
-            p.text += delta.text
-            p.token_ids.extend(delta.token_ids)
+        if self._delta:
+            p = self._pending.get(seq.index)
+            if p is None:
+                p = self._pending[seq.index] = _Seq(seq.index,
+                                                    [] if new_lps is not None else None)
+            if delta.text:
+                p._text.append(delta.text)
+            p.token_ids += delta.token_ids
             if new_lps is not None and p.logprobs is not None:
-                p.logprobs.extend(new_lps)
+                p.logprobs += new_lps
             p.cumulative_logprob = seq.cumulative_logprob
             p.finish_reason, p.stop_reason = seq.finish_reason, seq.stop_reason
 
     def emit(self) -> RequestOutput | None:
         """The RequestOutput to hand to the server now, or None if there is nothing to say."""
-        if self.kind == RequestOutputKind.FINAL_ONLY:
-            return self._output(self.seqs) if self.finished else None
-        if self.kind == RequestOutputKind.CUMULATIVE:
-            return self._output(self.seqs)
-        if not self._pending:
+        if self._delta:
+            if not self._pending:
+                return None
+            pending = self._pending
+            self._pending = {}
+            # Its lists are this output's alone: handed out without a copy.
+            return self._output([pending[i] for i in sorted(pending)] if len(pending) > 1
+                                else list(pending.values()), copy=False)
+        if self.kind == RequestOutputKind.FINAL_ONLY and not self.finished:
             return None
-        pending = [self._pending[i] for i in sorted(self._pending)]
-        self._pending.clear()
-        return self._output(pending)
+        return self._output(self.seqs, copy=True)
 
-    def _output(self, seqs: list[_Seq]) -> RequestOutput:
-        outs = [CompletionOutput(index=s.index, text=s.text, token_ids=list(s.token_ids),
+    def _output(self, seqs: list[_Seq], copy: bool) -> RequestOutput:
+        outs = [CompletionOutput(index=s.index, text=s.text,
+                                 token_ids=list(s.token_ids) if copy else s.token_ids,
                                  cumulative_logprob=s.cumulative_logprob,
-                                 logprobs=None if s.logprobs is None else list(s.logprobs),
+                                 logprobs=(list(s.logprobs) if copy and s.logprobs is not None
+                                           else s.logprobs),
                                  finish_reason=s.finish_reason, stop_reason=s.stop_reason)
                 for s in seqs]
         # A DELTA stream carries the prompt logprobs once, in its first output (as vLLM does).
-        first = not self._emitted
-        self._emitted = True
         prompt_lps = self.prompt_logprobs
-        if self.kind == RequestOutputKind.DELTA and not first:
+        if self._delta and self._emitted:
             prompt_lps = None
+        self._emitted = True
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
-                             prompt_lps, outs, finished=self.finished,
+                             prompt_lps, outs, finished=self._running == 0,
                              num_cached_tokens=self.num_cached_tokens)

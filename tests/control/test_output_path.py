@@ -1,0 +1,97 @@
+"""The path from a worker's Output messages to the stream's RequestOutputs: batched receives,
+a leg's step timeouts (one timer per leg), and outputs that own their lists."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from http import HTTPStatus
+
+import pytest
+import zmq
+import zmq.asyncio
+from fakepool import fast_settings, final_tokens, greedy
+from vllm.exceptions import GracefulHTTPError
+from vllm.sampling_params import RequestOutputKind
+
+from pdserve import fake, transport
+from pdserve.controller.stream import Stream
+from pdserve.protocol import SeqDelta
+
+PROMPT = list(range(40, 80))
+
+
+async def test_receiver_takes_what_is_queued_in_batches():
+    ctx = zmq.asyncio.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind("tcp://127.0.0.1:0")
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.IDENTITY, b"w1")
+    dealer.connect(router.getsockopt_string(zmq.LAST_ENDPOINT))
+    try:
+        for i in range(10):
+            await dealer.send_multipart([b"head", b"body%d" % i])
+        receiver = transport.Receiver(router, limit=4)
+        got: list[list[bytes]] = []
+        sizes = []
+        while len(got) < 10:
+            batch = await asyncio.wait_for(receiver.recv(), 5)
+            sizes.append(len(batch))
+            got += batch
+        assert got == [[b"w1", b"head", b"body%d" % i] for i in range(10)]
+        assert max(sizes) == 4 and sizes[0] == 4  # all ten were queued by then: whole batches
+    finally:
+        dealer.close(linger=0)
+        router.close(linger=0)
+        ctx.term()
+
+
+async def test_a_stalled_local_leg_times_out_on_the_token_timeout(make_cluster):
+    # The first wait of a local leg is the prefill timeout, each later gap the token timeout:
+    # the leg's timer must move up to the shorter one.
+    c = await make_cluster(settings=fast_settings(local_prefill_threshold=10**6,
+                                                  prefill_timeout=30.0, token_timeout=0.3,
+                                                  max_retries=1))
+    await c.add("prefill")
+    await c.add("decode", 2, stall_after_tokens=3)
+    t0 = time.monotonic()
+    with pytest.raises(GracefulHTTPError) as e:
+        await c.run(PROMPT, greedy(8), timeout=10)
+    assert e.value.http_status == HTTPStatus.GATEWAY_TIMEOUT
+    assert time.monotonic() - t0 < 5
+    await c.assert_clean()
+
+
+async def test_outputs_keep_coming_past_many_timeouts_worth_of_tokens(make_cluster):
+    # Each output moves the deadline on: a stream longer than its token timeout is not cut.
+    c = await make_cluster(settings=fast_settings(token_timeout=0.2))
+    await c.add("prefill")
+    await c.add("decode", decode_delay=0.02)
+    params = greedy(25)
+    outs = await c.run(PROMPT, params)
+    assert final_tokens(outs) == fake.reference(PROMPT, params).token_ids
+    await c.assert_clean()
+
+
+def _d(tokens, finish=None):
+    return SeqDelta(0, "".join(f" t{t}" for t in tokens), list(tokens), None, None, finish)
+
+
+def test_a_delta_output_is_not_changed_by_what_follows():
+    s = Stream("r", None, [1], RequestOutputKind.DELTA)
+    s.add(_d([5, 6]))
+    first = s.emit()
+    s.add(_d([7], finish="length"))
+    last = s.emit()
+    assert first.outputs[0].token_ids == [5, 6] and first.outputs[0].text == " t5 t6"
+    assert last.outputs[0].token_ids == [7] and s.tokens() == [5, 6, 7]
+    assert s.seqs[0].text == " t5 t6 t7"
+
+
+def test_a_cumulative_output_is_a_copy():
+    s = Stream("r", None, [1], RequestOutputKind.CUMULATIVE)
+    s.add(_d([5]))
+    first = s.emit()
+    s.add(_d([6], finish="stop"))
+    assert first.outputs[0].token_ids == [5] and first.outputs[0].text == " t5"
+    assert s.emit().outputs[0].token_ids == [5, 6]

@@ -1,0 +1,64 @@
+"""`pdserve bench overhead`'s baseline server (vLLM's over an in-process fake engine) and its
+report."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+from vllm import SamplingParams
+from vllm.sampling_params import RequestOutputKind
+
+from pdserve import fake
+from pdserve.bench import inproc, overhead
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module")
+def client():
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from pdserve.models import ensure_model
+
+    config = AsyncEngineArgs(model=str(ensure_model("tiny")), dtype="float32",
+                             enforce_eager=True).create_engine_config()
+    return inproc.InprocClient(config, fake.FakeEngine())
+
+
+def _run(client, kind: RequestOutputKind, n: int = 6) -> list:
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, output_kind=kind)
+
+    async def go():
+        return [o async for o in client.generate({"prompt_token_ids": [3, 4, 5]}, params,
+                                                 f"r-{kind.name}")]
+
+    return asyncio.run(go())
+
+
+def test_inproc_client_streams_the_fake_engines_tokens(client):
+    want = fake.reference([3, 4, 5], SamplingParams(max_tokens=6, temperature=0.0,
+                                                    ignore_eos=True))
+    outs = _run(client, RequestOutputKind.DELTA)
+    assert [t for o in outs for t in o.outputs[0].token_ids] == want.token_ids
+    assert "".join(o.outputs[0].text for o in outs) == want.text
+    assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+    final = _run(client, RequestOutputKind.FINAL_ONLY)
+    assert len(final) == 1 and list(final[0].outputs[0].token_ids) == want.token_ids
+
+
+def test_engine_cost_is_positive():
+    assert inproc.engine_cost(4, 8, 8, 16, 0.0) > 0
+
+
+def test_part_c_table():
+    row = {"server": "vllm", "concurrency": 32, "round": 0, "tokens": 100, "failed": 0,
+           "output_tok_s": 2900.0, "server_core_pct": 20.0, "server_us_per_token": 70.0,
+           "tokens_per_chunk": 1.0, "workers_core_pct": 0.0, "client_core_pct": 60.0,
+           "others_core_pct": 1.0, "itl_p50_ms": 10.8, "itl_p99_ms": 13.0, "x_vllm": 1.0}
+    md = overhead.markdown({"command": "c", "model": "m",
+                            "c": {"workload": "w", "rows": [row],
+                                  "engine_us_per_token": {32: 25.0}}})
+    assert "## (c)" in md and "| vllm | 32 | 0 | 2,900 | 20 | 70 | 1.00 | 1.00 |" in md
+    assert "25 us of CPU per token" in md
