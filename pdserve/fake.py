@@ -35,8 +35,10 @@ from typing import Any
 
 from vllm.v1.engine.exceptions import EngineDeadError
 
-from pdserve.protocol import EngineInfo, Load, Role
+from pdserve.fake_cache import FakePrefixCache
+from pdserve.protocol import KV_READ_STATS, EngineInfo, Load, Role
 from pdserve.worker.engine import FORCED_TOKENS_ARG, expected_info
+from pdserve.worker.kv_events import KvEventSource
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +46,7 @@ VOCAB_SIZE = 512
 EOS_TOKEN_ID = 2
 WINDOW = 4  # context tokens the next token depends on
 MODEL = "fake-model"
+KV_BYTES_PER_TOKEN = 1024  # what a handoff of one token's KV would move
 
 # Every live fake engine in this process, by engine id: where a decode engine reads KV from.
 ENGINES: weakref.WeakValueDictionary[str, FakeEngine] = weakref.WeakValueDictionary()
@@ -169,7 +172,7 @@ class FakeEngine:
                  vocab_size: int = VOCAB_SIZE, eos_token_id: int = EOS_TOKEN_ID,
                  prefill_delay_per_token: float = 0.0, decode_delay: float = 0.0,
                  hold_timeout: float = 120.0, fail_after_tokens: int | None = None,
-                 stall_after_tokens: int | None = None):
+                 stall_after_tokens: int | None = None, kv_events: bool = True):
         self.info = info or fake_info()
         self.address = address
         self.kv_port = kv_port
@@ -190,6 +193,12 @@ class FakeEngine:
         self._aborted: set[str] = set()
         self.served: list[str] = []  # request ids that reached this engine, in order
         self.kv_reads = 0
+        self.kv_read_tokens = 0  # tokens whose KV this engine read from prefill engines
+        self.cache = FakePrefixCache(self.info.block_size, num_blocks,
+                                     salt=random.getrandbits(32))
+        self.kv_events: KvEventSource | None = self.cache if kv_events else None
+        self.kv_blocks = num_blocks
+        self.kv_block_bytes = KV_BYTES_PER_TOKEN * self.info.block_size
         ENGINES[self.engine_id] = self
 
     # ---- leak checks -----------------------------------------------------------------------
@@ -251,9 +260,14 @@ class FakeEngine:
             raise ValueError(f"request {request_id} is already running")
         kv_in = (p.extra_args or {}).get("kv_transfer_params") or {}
         remote_decode = bool(kv_in.get("do_remote_decode"))
-        cached = 0
+        cached = local = self.cache.cached_tokens(prompt)
+        read_stats = None
         if kv_in.get("do_remote_prefill"):
-            cached = self._read_remote(prompt, kv_in)  # before any await, as vLLM admits it
+            # Before any await, as vLLM admits it; only what the local cache lacks moves.
+            covered = self._read_remote(prompt, kv_in)
+            read_stats = [local, max(0, covered - local)]
+            self.kv_read_tokens += read_stats[1]
+            cached = max(local, covered)
         self._expire()
         self._active[request_id] = self._blocks(len(prompt))
         self.served.append(request_id)
@@ -261,6 +275,8 @@ class FakeEngine:
         context = list(prompt)
         try:
             await asyncio.sleep(self.prefill_delay_per_token * (len(prompt) - cached))
+            self._check_alive()
+            self.cache.store(prompt)
             plp = _prompt_logprobs(prompt) if p.prompt_logprobs is not None else None
             while True:
                 self._check_alive()
@@ -292,6 +308,8 @@ class FakeEngine:
                               "remote_host": self.address, "remote_port": self.kv_port,
                               "remote_block_ids": list(range(self._blocks(len(prompt)))),
                               "remote_num_tokens": len(prompt)}
+                elif done and read_stats is not None:
+                    kv_out = {KV_READ_STATS: read_stats}
                 out = CompletionOutput(
                     index=0, text=text, token_ids=[tok],
                     cumulative_logprob=sampler.out.cumulative_logprob if lps else None,

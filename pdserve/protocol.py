@@ -5,8 +5,8 @@ body (msgspec, never pickle: these frames cross hosts). Structs are array-like s
 not travel. A peer speaking another version is refused with a message naming both versions.
 
 Channels (one DEALER per worker per controller, one ROUTER per controller):
-  worker -> controller: Register, Heartbeat, Drain, Unregister, Output
-  controller -> worker: RegisterAck, Generate, Abort, Ping, Leave
+  worker -> controller: Register, Heartbeat, Drain, Unregister, Output, KvEvents
+  controller -> worker: RegisterAck, Generate, Abort, Ping, Leave, KvReplay
 
 Fields are only ever added at the end, with a default: a peer of the same version that predates
 them ignores them (msgspec skips trailing array items), and a message type it does not know is
@@ -98,6 +98,11 @@ class Register(_Msg):
     info: EngineInfo
     kv_port: int = 0
     pid: int = 0
+    # The engine publishes its prefix cache's KV events (relayed as KvEvents), its KV cache
+    # has this many blocks, and one block of KV is this many bytes (what a handoff moves).
+    kv_events: bool = False
+    kv_blocks: int = 0
+    kv_block_bytes: int = 0
 
 
 class RegisterAck(_Msg):
@@ -164,6 +169,21 @@ class Leave(_Msg):
     reason: str = ""
 
 
+class KvEvents(_Msg):
+    """One batch of the engine's KV cache events, as vLLM's publisher numbered and encoded it
+    (a msgpack KVEventBatch: BlockStored / BlockRemoved / AllBlocksCleared)."""
+
+    worker_id: str
+    seq: int
+    batch: msgspec.Raw
+
+
+class KvReplay(_Msg):
+    """Send this controller the engine's KV event batches from `start` on (it missed some)."""
+
+    start: int
+
+
 class TokenLogprob(_Msg):
     token_id: int
     logprob: float
@@ -192,6 +212,16 @@ class Output(_Msg):
     prompt_logprobs: list[list[TokenLogprob] | None] | None = None
     error: str | None = None  # set when the worker could not run the request at all
     error_kind: int = 0  # ErrorKind
+    # A decode leg's first output: when, on the worker host's monotonic clock, the worker got
+    # the Generate, its engine queued it, scheduled it and drew its first token, and the worker
+    # sent this (HandoffTimes; the controller splits the handoff into phases with them).
+    timings: list[float] | None = None
+
+
+# In a decode leg's last kv_transfer_params: [tokens its engine had cached itself, tokens whose
+# KV it read from the prefill worker, when the read was asked for and when it was done (the
+# worker host's monotonic clock; 0: not seen)] (pdserve/kv/cpu_nixl.py, on the decode side).
+KV_READ_STATS = "pdserve_kv_read"
 
 
 class ErrorKind(enum.IntEnum):
@@ -213,6 +243,8 @@ class MsgType(enum.IntEnum):
     OUTPUT = 8
     PING = 9
     LEAVE = 10
+    KV_EVENTS = 11
+    KV_REPLAY = 12
 
 
 _TYPES: dict[MsgType, type[_Msg]] = {
@@ -226,6 +258,8 @@ _TYPES: dict[MsgType, type[_Msg]] = {
     MsgType.OUTPUT: Output,
     MsgType.PING: Ping,
     MsgType.LEAVE: Leave,
+    MsgType.KV_EVENTS: KvEvents,
+    MsgType.KV_REPLAY: KvReplay,
 }
 _TYPE_OF = {cls: t for t, cls in _TYPES.items()}
 _ENCODER = msgspec.msgpack.Encoder()
@@ -233,7 +267,7 @@ _DECODERS: dict[MsgType, msgspec.msgpack.Decoder[Any]] = {
     t: msgspec.msgpack.Decoder(cls) for t, cls in _TYPES.items()}
 
 Message = (Register | RegisterAck | Heartbeat | Drain | Unregister | Generate | Abort | Output
-           | Ping | Leave)
+           | Ping | Leave | KvEvents | KvReplay)
 
 
 def encode(msg: _Msg) -> list[bytes]:

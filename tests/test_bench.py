@@ -275,6 +275,9 @@ def test_parse_configs() -> None:
     pure = cluster.parse_configs("1P1D@0,colocated")
     assert pure[0].name == "1P1D@0" and pure[0].local_threshold == 0
     assert pure[1].both == 2 and not pure[0].decode_first
+    routed = cluster.parse_configs("1P2D@256:kv,1P2D:blind")
+    assert [(c.name, c.routing, c.local_threshold) for c in routed] == [
+        ("1P2D@256:kv", "kv", 256), ("1P2D:blind", "blind", None)]
     held = cluster.parse_configs("1P1D@0:decode-first")[0]
     assert (held.name, held.local_threshold, held.decode_first) == ("1P1D@0:decode-first", 0, True)
     for bad in ("1P", "0P1D", "mixed", "1P1D@", "1P1D@x", "colocated@0", "1P1D:decode"):
@@ -396,3 +399,22 @@ def test_report_subcommand_recomputes_summaries_from_the_saved_client_results(
     assert s["goodput"] == pytest.approx(1.0)  # as summarize() over the same records
     assert "## Pauses in the streams" in (out / "report.md").read_text()
     assert bench_main(["report"]) == 2
+
+
+def test_cache_figures_come_from_the_controllers_receipt_counters() -> None:
+    from pdserve.bench import scrape
+
+    text = "\n".join([
+        'pdserve_prefix_cached_tokens_total{side="prefill"} 600',
+        'pdserve_prefix_cached_tokens_total{side="decode"} 900',
+        'pdserve_prompt_tokens_computed_total{side="prefill"} 400',
+        'pdserve_prompt_tokens_computed_total{side="decode"} 100',
+        "pdserve_kv_read_tokens_total 500",
+        "pdserve_kv_transfer_bytes_sum 65536",
+        "pdserve_kv_transfer_bytes_count 4",
+        'pdserve_routes_total{path="local",reason="cached"} 3',
+    ]) + "\n"
+    got = scrape.cache_figures(scrape.delta({}, scrape.parse(text)))
+    assert got == {"prompt_tokens_computed": 500, "kv_bytes_moved": 65536,
+                   "prefill_cache_hit_rate": 0.6, "decode_cache_hit_rate": 0.6,
+                   "handoffs_skipped": 3}

@@ -42,6 +42,7 @@ class Config:
     # Controller's --local-prefill-threshold for XpYd; None keeps the controller's default.
     local_threshold: int | None = None
     decode_first: bool = False  # controller's --first-token decode
+    routing: str = ""  # a ROUTING key: "" keeps the controller's defaults
 
     @property
     def engines(self) -> int:
@@ -55,27 +56,42 @@ class Config:
         return ["prefill"] * self.prefill + ["decode"] * self.decode + ["both"] * self.both
 
 
+# How a configuration routes (issue 12's comparison): blind to the engines' caches, today's
+# estimate of what this controller sent where, or the engines' own KV events.
+ROUTING = {
+    "blind": ["--prefill-policy", "least_loaded", "--decode-policy", "least_loaded",
+              "--no-kv-index"],
+    "prefix": ["--prefill-policy", "prefix_aware", "--decode-policy", "kv_aware",
+               "--no-kv-index"],
+    "kv": ["--prefill-policy", "kv_aware", "--decode-policy", "kv_aware"],
+}
+
+
 def parse_configs(spec: str) -> list[Config]:
     """`1P1D,2P1D@0,1P1D@0:decode-first,colocated`: `@T` sets the controller's local-prefill
     threshold (`@0`: every prompt goes through the KV handoff), `:decode-first` its
-    `--first-token decode`; `colocated` has as many engines as the largest XpYd listed (2 if
+    `--first-token decode`, `:blind`, `:prefix` or `:kv` its routing (ROUTING); `colocated` has as many engines as the largest XpYd listed (2 if
     none); `colocatedN` sets N."""
     names = [s.strip() for s in spec.split(",") if s.strip()]
     out: list[Config | str] = []
     for name in names:
-        if m := re.fullmatch(r"(\d+)P(\d+)D(?:@(\d+))?(:decode-first)?", name, re.IGNORECASE):
+        if m := re.fullmatch(r"(\d+)P(\d+)D(?:@(\d+))?(:decode-first)?(?::(blind|prefix|kv))?",
+                             name, re.IGNORECASE):
             x, y = int(m[1]), int(m[2])
             if x < 1 or y < 1:
                 raise ValueError(f"{name}: need at least one prefill and one decode worker")
             t = None if m[3] is None else int(m[3])
-            label = f"{x}P{y}D" + ("" if t is None else f"@{t}") + (":decode-first" if m[4] else "")
+            routing = (m[5] or "").lower()
+            label = (f"{x}P{y}D" + ("" if t is None else f"@{t}")
+                     + (":decode-first" if m[4] else "") + (f":{routing}" if routing else ""))
             out.append(Config(label, prefill=x, decode=y, local_threshold=t,
-                              decode_first=bool(m[4])))
+                              decode_first=bool(m[4]), routing=routing))
         elif m := re.fullmatch(r"colocated(\d*)", name, re.IGNORECASE):
             out.append(m[1] or "colocated")
         else:
-            raise ValueError(f"unknown configuration {name!r}: want XpYd[@T][:decode-first] "
-                             "(e.g. 1P1D, 1P1D@0) or colocated[N]")
+            raise ValueError(f"unknown configuration {name!r}: want "
+                             "XpYd[@T][:decode-first][:blind|:prefix|:kv] (e.g. 1P1D, 1P1D@0, "
+                             "1P2D@256:kv) or colocated[N]")
     n = max((c.engines for c in out if isinstance(c, Config)), default=2)
     return [c if isinstance(c, Config) else Config("colocated", both=int(c) if c != "colocated"
                                                    else n) for c in out]
@@ -176,6 +192,7 @@ class PdDeployment(Deployment):
             ctl += ["--local-prefill-threshold", str(self.cfg.local_threshold)]
         if self.cfg.decode_first:
             ctl += ["--first-token", "decode"]
+        ctl += ROUTING.get(self.cfg.routing, [])
         if keydir:
             ctl += ["--keys", keydir]
         self.spawn("controller", ctl + self.controller_args, env)

@@ -34,7 +34,8 @@ def make_parser() -> argparse.ArgumentParser:
                     "`pdserve bench overhead --help` describes the controller-overhead benchmark, "
                     "`pdserve bench overload --help` the admission-control one, "
                     "`pdserve bench soak --help` the long-run reliability one, "
-                    "`pdserve bench scaleout --help` the one for several API servers.")
+                    "`pdserve bench scaleout --help` the one for several API servers, "
+                    "`pdserve bench join --help` how fast a pool takes in a new controller.")
     p.add_argument("--configs", default="1P1D,colocated",
                    help="XpYd[@T][:decode-first] and/or colocated[N], comma-separated. @T: the "
                         "controller's --local-prefill-threshold (@0: every prompt handed over); "
@@ -172,6 +173,10 @@ def main(argv: list[str] | None = None) -> int:
         from pdserve.bench.overload import main as overload_main
 
         return overload_main(argv[1:])
+    if argv and argv[0] == "join":
+        from pdserve.bench.join import main as join_main
+
+        return join_main(argv[1:])
     if argv and argv[0] == "scaleout":
         from pdserve.bench.scaleout import main as scaleout_main
 

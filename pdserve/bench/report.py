@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.bench.metrics import METRICS, Record, samples
+from pdserve.controller.phases import PHASES
 
 NAMES = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2e": "E2E"}
 Records = Mapping[tuple[str, float], Sequence[Record]]
@@ -75,9 +76,14 @@ def cache_table(results: Mapping[str, Any]) -> list[str]:
                 continue
             k = run.get("controller_cache") or {}
             moved = k.get("kv_bytes_moved")
+            # In P/D, usage's cached_tokens counts the KV a decode worker read: the engines'
+            # own figure (the controller's receipts) is what was computed.
+            computed = k.get("prompt_tokens_computed")
+            if computed is None:
+                computed = c["computed_tokens"]
             lines.append(
                 f"| {name} | {run['rate']:g} | {c['requests']} | {c['prompt_tokens']:,} "
-                f"| {c['cached_tokens']:,} | {c['computed_tokens']:,} | {c['hit_rate']:.0%} "
+                f"| {c['cached_tokens']:,} | {int(computed):,} | {c['hit_rate']:.0%} "
                 f"| {fmt_ms(s['ttft']['p50'])} / {fmt_ms(s['ttft']['p99'])} "
                 f"| {fmt_ms(s['tpot']['p50'])} / {fmt_ms(s['tpot']['p99'])} | {s['goodput']:.2f} "
                 f"| {'-' if moved is None else f'{moved / 1e6:,.1f}'} "
@@ -143,6 +149,22 @@ def phase_table(results: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def handoff_table(results: Mapping[str, Any]) -> list[str]:
+    """The handoff's phases (pdserve_handoff_phase_seconds), where a run has them."""
+    lines = ["| configuration | rate | " + " | ".join(f"{p} (ms)" for p in PHASES) + " |",
+             "|" + "---|" * (2 + len(PHASES))]
+    rows = 0
+    for name, cfg in results["configs"].items():
+        for run in cfg["runs"]:
+            c = run.get("controller") or {}
+            if not any(f"handoff_{p}_mean_ms" in c for p in PHASES):
+                continue
+            rows += 1
+            lines.append(f"| {name} | {run['rate']:g} | " + " | ".join(
+                fmt_ms(c.get(f"handoff_{p}_mean_ms")) for p in PHASES) + " |")
+    return lines if rows else []
+
+
 def best_run(cfg: Mapping[str, Any]) -> dict[str, Any] | None:
     """The run with the highest goodput (ties: the higher rate)."""
     runs = cfg.get("runs") or []
@@ -196,6 +218,9 @@ def markdown(results: Mapping[str, Any]) -> str:
     if any(run.get("controller") for c in results["configs"].values() for run in c["runs"]):
         out += ["", "## Phases as the controller measures them (means)", "",
                 *phase_table(results)]
+        if handoff := handoff_table(results):
+            out += ["", "## The KV handoff by phase (means; controller/phases.py)", "",
+                    *handoff]
     out += ["", "## CPU per process group (whole group: worker and its engine processes)", "",
             *idle_table(results), ""]
     return "\n".join(out)

@@ -6,10 +6,15 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve.controller.phases import PHASES
+
 # pdserve_<name>_seconds histograms and counters worth reporting next to the client's figures.
 HISTOGRAMS = ("queue_time", "prefill_time", "kv_handoff", "time_to_first_token")
 COUNTERS = ("pdserve_local_prefills_total", "pdserve_retries_total",
-            "pdserve_requests_total", "pdserve_generation_tokens_total")
+            "pdserve_requests_total", "pdserve_generation_tokens_total",
+            "pdserve_prefix_cached_tokens_total", "pdserve_prompt_tokens_computed_total",
+            "pdserve_kv_read_tokens_total", "pdserve_kv_transfer_bytes_sum",
+            "pdserve_routes_total")
 
 
 def parse(text: str) -> dict[str, float]:
@@ -44,6 +49,12 @@ def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]
         if n > 0:
             out[f"{h}_mean_ms"] = round(1e3 * total / n, 2)
             out[f"{h}_count"] = n
+    for phase in PHASES:  # the handoff's phases (controller/phases.py)
+        name = f'pdserve_handoff_phase_seconds_{{}}{{{{phase={phase}}}}}'
+        n = after.get(name.format("count"), 0.0) - before.get(name.format("count"), 0.0)
+        total = after.get(name.format("sum"), 0.0) - before.get(name.format("sum"), 0.0)
+        if n > 0:
+            out[f"handoff_{phase}_mean_ms"] = round(1e3 * total / n, 2)
     for key, value in after.items():
         if key.startswith(COUNTERS):
             d = value - before.get(key, 0.0)
@@ -52,12 +63,33 @@ def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]
     return out
 
 
-# Cache figures only the controller can give: KV bytes moved between workers, and the prefix
-# cache's hit rate on each side. Reported as null ("-") until the controller exports them.
-CACHE_FIGURES = ("kv_bytes_moved", "prefill_cache_hit_rate", "decode_cache_hit_rate")
+# Cache figures only the controller can give (its route receipts, from the engines' own
+# reports): prompt tokens the engines computed, KV bytes moved between workers, the prefix
+# caches' hit rate on each side, handoffs skipped. None where the run has no such series.
+CACHE_FIGURES = ("prompt_tokens_computed", "kv_bytes_moved", "prefill_cache_hit_rate",
+                 "decode_cache_hit_rate", "handoffs_skipped")
 
 
 def cache_figures(delta: dict[str, float]) -> dict[str, float | None]:
-    """The hook for CACHE_FIGURES from a run's controller delta: fill each in here from the
-    controller's series when they exist; never an estimate."""
-    return dict.fromkeys(CACHE_FIGURES)
+    """CACHE_FIGURES from a run's controller delta (see delta())."""
+    def get(name: str, **labels: str) -> float:
+        label = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+        return delta.get(name + (f"{{{label}}}" if label else ""), 0.0)
+
+    def share(part: float, whole: float) -> float | None:
+        return round(part / whole, 4) if whole else None
+
+    cached_p = get("pdserve_prefix_cached_tokens_total", side="prefill")
+    cached_d = get("pdserve_prefix_cached_tokens_total", side="decode")
+    computed_p = get("pdserve_prompt_tokens_computed_total", side="prefill")
+    computed_d = get("pdserve_prompt_tokens_computed_total", side="decode")
+    read = get("pdserve_kv_read_tokens_total")
+    seen = cached_p + cached_d + computed_p + computed_d + read
+    return {
+        "prompt_tokens_computed": computed_p + computed_d if seen else None,
+        "kv_bytes_moved": get("pdserve_kv_transfer_bytes_sum") if seen else None,
+        "prefill_cache_hit_rate": share(cached_p, cached_p + computed_p),
+        "decode_cache_hit_rate": share(cached_d, cached_d + read + computed_d),
+        "handoffs_skipped": get("pdserve_routes_total", path="local", reason="cached")
+        if seen else None,
+    }

@@ -43,8 +43,8 @@ class PDController(EngineClient):
         self.pool = pool
         self.settings = settings or Settings()
         block_size = vllm_config.cache_config.block_size
-        self.prefill_policy = make_policy(self.settings.prefill_policy, block_size)
-        self.decode_policy = make_policy(self.settings.decode_policy, block_size)
+        self.prefill_policy = make_policy(self.settings.prefill_policy, block_size, "prefill")
+        self.decode_policy = make_policy(self.settings.decode_policy, block_size, "decode")
         self.metrics = metrics or Metrics()
         self.admission = Admission(self.settings.max_inflight, self.settings.max_queued,
                                    self.settings.queue_timeout)
@@ -303,12 +303,12 @@ def _child_params(params, index: int, n: int):
     return child
 
 
-async def _merge_runs(runs: list[AsyncIterator[None]]) -> AsyncIterator[None]:
+def _merge_runs(runs: list[AsyncIterator[None]]) -> AsyncIterator[None]:
     """Interleave several sequences' progress; the first error cancels the rest."""
-    if len(runs) == 1:
-        async for _ in runs[0]:
-            yield
-        return
+    return runs[0] if len(runs) == 1 else _interleave(runs)
+
+
+async def _interleave(runs: list[AsyncIterator[None]]) -> AsyncIterator[None]:
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 

@@ -155,6 +155,11 @@ class KVIndex:
         if (w := self._workers.get(worker_id)) is not None:
             self._restart(w)
 
+    def exact(self, worker_id: str) -> bool:
+        """Whether match() speaks for this worker now (a member, not stale)."""
+        w = self._workers.get(worker_id)
+        return w is not None and bool(self._usable & w.bit)
+
     def needs_replay(self, worker_id: str) -> int | None:
         w = self._workers.get(worker_id)
         return w.next_seq if w is not None and w.pending else None

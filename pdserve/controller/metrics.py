@@ -26,6 +26,7 @@ _LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
             10.0, 20.0, 40.0, 80.0)
 _TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
           0.5, 0.75, 1.0, 2.5, 5.0)
+_BYTES = tuple(float(4 ** k * 1024) for k in range(12))  # 1 KiB to 4 GiB
 RECENT = 2000  # requests kept for the dashboard's percentiles
 RECENT_FAILURES = 100  # failures kept for the dashboard's list
 
@@ -74,6 +75,25 @@ class Metrics:
                                "token, migration after some", ["kind"], registry=r)
         self.local = Counter("pdserve_local_prefills",
                              "Sequences prefilled on their decode worker (no handoff)", registry=r)
+        self.routes = Counter("pdserve_routes", "Completed sequences by path (local, "
+                              "disaggregated) and why local: short (little to compute), cached "
+                              "(the decode worker held most of it: a handoff skipped)",
+                              ["path", "reason"], registry=r)
+        self.cached_tokens = Counter("pdserve_prefix_cached_tokens", "Prompt tokens the "
+                                     "engines had in their prefix caches, as they reported, by "
+                                     "side (prefill, decode)", ["side"], registry=r)
+        self.computed_tokens = Counter("pdserve_prompt_tokens_computed", "Prompt tokens the "
+                                       "engines computed (not in their prefix caches, not "
+                                       "read), by side", ["side"], registry=r)
+        self.kv_read_tokens = Counter("pdserve_kv_read_tokens", "Prompt tokens whose KV decode "
+                                      "workers read from prefill workers", registry=r)
+        self.handoff_phase = Histogram("pdserve_handoff_phase_seconds", "The KV handoff by "
+                                       "phase: controller, transit (both hops), worker, "
+                                       "schedule, kv_read, first_step (controller/phases.py)",
+                                       ["phase"], buckets=_TOKEN, registry=r)
+        self.kv_bytes = Histogram("pdserve_kv_transfer_bytes", "KV bytes a decode worker read "
+                                  "from a prefill worker, per disaggregated sequence",
+                                  buckets=_BYTES, registry=r)
         self.no_worker = Counter("pdserve_no_worker_rejections",
                                  "Requests refused with 503 for lack of a worker", ["role"],
                                  registry=r)
@@ -198,6 +218,26 @@ class Timeline:
         self.last = now
         self.n_tokens += n
         self.m.generation_tokens.inc(n)
+
+    def routed(self, route) -> None:
+        """A completed sequence's route receipt (receipts.Route)."""
+        m = self.m
+        m.routes.labels(route.path, route.reason or "-").inc()
+        if route.prefill_hit is not None:
+            m.cached_tokens.labels("prefill").inc(route.prefill_hit)
+            m.computed_tokens.labels("prefill").inc(max(0, route.tokens - route.prefill_hit))
+        if route.decode_hit is not None:
+            m.cached_tokens.labels("decode").inc(route.decode_hit)
+            if route.path == "local":
+                m.computed_tokens.labels("decode").inc(max(0, route.tokens - route.decode_hit))
+        if route.kv_read_tokens is not None:
+            m.kv_read_tokens.inc(route.kv_read_tokens)
+        if route.kv_bytes is not None:
+            m.kv_bytes.observe(route.kv_bytes)
+
+    def handoff_phases(self, phases: dict[str, float]) -> None:
+        for phase, seconds in phases.items():
+            self.m.handoff_phase.labels(phase).observe(seconds)
 
     def retried(self, migrated: bool, error: BaseException | None = None) -> None:
         """A leg failed and the sequence goes on elsewhere. The sequence calls this in its

@@ -25,6 +25,7 @@ import zmq
 import zmq.asyncio
 
 from pdserve import protocol, transport
+from pdserve.controller.kvindex import KVIndex
 from pdserve.controller.registry import Registry, Worker
 from pdserve.protocol import EngineInfo, Role
 
@@ -35,6 +36,21 @@ _RELEASE_PARAMS = msgspec.Raw(msgspec.msgpack.encode({}))
 # How long a release waits for a decode worker to carry it: after vLLM's NIXL abort timeout
 # the prefill engine has freed the blocks itself.
 RELEASE_RETRY_S = 480.0
+# A KV event replay not answered within this is asked for again.
+REPLAY_RETRY_S = 2.0
+DEFAULT_KV_BLOCKS = 100_000  # a worker's index cap when it does not say its engine's
+
+
+def _kv_decoder() -> msgspec.msgpack.Decoder:
+    global _KV_DECODER
+    if _KV_DECODER is None:  # vLLM's event types: imported once the first events arrive
+        from vllm.distributed.kv_events import KVEventBatch
+
+        _KV_DECODER = msgspec.msgpack.Decoder(KVEventBatch)
+    return _KV_DECODER
+
+
+_KV_DECODER: msgspec.msgpack.Decoder | None = None
 
 
 class WorkerLost(Exception):
@@ -60,7 +76,7 @@ class Pool:
     def __init__(self, bind: str, *, expected: EngineInfo | None = None,
                  keys: transport.Keys | None = None, heartbeat_interval: float = 1.0,
                  missed_heartbeats: int = 3, dead_after: float = 30.0,
-                 siblings: list[int] | None = None,
+                 siblings: list[int] | None = None, kv_index: bool = True,
                  clock: Callable[[], float] = time.monotonic):
         self.id = f"controller-{uuid.uuid4().hex[:8]}"
         self.siblings = list(siblings or ())  # worker ports of the API servers beside this one
@@ -76,6 +92,11 @@ class Pool:
         self._unreleased: deque[tuple[dict, str, str, float]] = deque(maxlen=100_000)
         self.on_worker_event: Callable[[str, Worker], None] = lambda event, worker: None
         self.loop: asyncio.AbstractEventLoop | None = None
+        # What every publishing worker's engine holds (kvindex.py); made at the first
+        # registration that brings events, with that engine's block size.
+        self.kv: KVIndex | None = None
+        self._kv_wanted = kv_index
+        self._replay_asked: dict[str, float] = {}  # worker id -> when a replay was asked
 
     @property
     def address(self) -> str:
@@ -87,6 +108,8 @@ class Pool:
                        asyncio.create_task(self._expiry_loop())]
 
     async def close(self) -> None:
+        if self.ctx.closed:
+            return
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -167,7 +190,7 @@ class Pool:
         # blocks for a decode that will never come. Only its own blocks, at its own address.
         w = self.registry.by_identity(identity)
         kv = msg.kv_transfer_params or {}
-        if (w is None or not w.serves(Role.PREFILL)
+        if (w is None or not w.serves(Role.PREFILL) or not kv.get("remote_block_ids")
                 or kv.get("remote_host") not in (None, w.address)):
             return
         if self.release_kv(kv, f"{msg.request_id}-orphan"):
@@ -181,6 +204,7 @@ class Pool:
     def lost(self, worker: Worker, why: str) -> None:
         """The worker can serve nothing more: mark it dead and fail every leg on it."""
         if self.registry.mark_dead(worker.id) is not None:
+            self._forget_kv(worker.id)
             logger.warning("worker %s (%s) is dead: %s", worker.id, worker.role.label, why)
             self.on_worker_event("dead", worker)
             self.changed.set()
@@ -190,23 +214,27 @@ class Pool:
     # ---- receiving -------------------------------------------------------------------------
 
     async def _recv_loop(self) -> None:
+        receiver = transport.Receiver(self.sock)
         while True:
-            frames = await self.sock.recv_multipart(copy=True)
-            identity, body = frames[0], frames[1:]
-            try:
-                msg = protocol.decode(body)
-            except protocol.VersionMismatch as e:
-                logger.warning("refused a peer: %s", e)
-                self._reply(identity, protocol.RegisterAck(False, str(e), self.id))
-                continue
-            except protocol.ProtocolError as e:
-                self.dropped_messages += 1
-                logger.warning("dropped a message: %s", e)
-                continue
-            try:
-                self._dispatch(identity, msg)
-            except Exception:  # a handler bug must not stop the loop that serves every request
-                logger.exception("error handling %s", type(msg).__name__)
+            for frames in await receiver.recv():
+                self._receive(frames)
+
+    def _receive(self, frames: list[bytes]) -> None:
+        identity, body = frames[0], frames[1:]
+        try:
+            msg = protocol.decode(body)
+        except protocol.VersionMismatch as e:
+            logger.warning("refused a peer: %s", e)
+            self._reply(identity, protocol.RegisterAck(False, str(e), self.id))
+            return
+        except protocol.ProtocolError as e:
+            self.dropped_messages += 1
+            logger.warning("dropped a message: %s", e)
+            return
+        try:
+            self._dispatch(identity, msg)
+        except Exception:  # a handler bug must not stop the loop that serves every request
+            logger.exception("error handling %s", type(msg).__name__)
 
     def _dispatch(self, identity: bytes, msg: protocol.Message) -> None:
         if not isinstance(msg, protocol.Register):  # a Register starts a new entry instead
@@ -220,6 +248,10 @@ class Pool:
                     self.finish(leg)
             elif leg is None and msg.finished and msg.kv_transfer_params:
                 self._release_orphan(identity, msg)
+            return
+        if isinstance(msg, protocol.KvEvents):
+            if self._from(identity, msg.worker_id):
+                self._on_kv_events(identity, msg)
             return
         if isinstance(msg, protocol.Heartbeat):
             if not self._from(identity, msg.worker_id):
@@ -242,6 +274,7 @@ class Pool:
             if self._from(identity, msg.worker_id):
                 w = self.registry.unregister(msg.worker_id)
                 if w is not None:
+                    self._forget_kv(w.id)
                     logger.info("worker %s unregistered (%s)", w.id, msg.reason)
                     for leg in [lg for lg in self.legs.values() if lg.worker.id == w.id]:
                         self._fail(leg, "worker unregistered")
@@ -272,12 +305,69 @@ class Pool:
             # A restarted worker replaces its stale entry; legs on the old engine are gone.
             for leg in [lg for lg in self.legs.values() if lg.worker is old]:
                 self._fail(leg, "worker restarted")
-        logger.info("worker %s registered: role=%s address=%s:%d model=%s%s", worker.id,
+        self._index(worker, msg)
+        logger.info("worker %s registered: role=%s address=%s:%d model=%s%s%s", worker.id,
                     worker.role.label, worker.address, worker.kv_port, worker.info.model,
+                    ", KV events on" if self.kv is not None and msg.kv_events else "",
                     " (replaced its earlier entry)" if note else "")
         self._reply(identity, self._accepted())
         self.on_worker_event("registered", worker)
         self.changed.set()
+
+    # ---- the KV index ----------------------------------------------------------------------
+
+    def _index(self, worker: Worker, msg: protocol.Register) -> None:
+        """A (re)registered worker's engine starts its event stream again: learn it anew,
+        from the replay of what its engine kept."""
+        if not (self._kv_wanted and msg.kv_events):
+            self._forget_kv(worker.id)
+            return
+        if self.kv is None:
+            self.kv = KVIndex(msg.info.block_size, clock=self.registry.clock)
+        self.kv.add_worker(worker.id, msg.kv_blocks or DEFAULT_KV_BLOCKS, first_seq=0)
+
+    def _forget_kv(self, worker_id: str) -> None:
+        if self.kv is not None:
+            self.kv.drop(worker_id)
+        self._replay_asked.pop(worker_id, None)
+
+    def _on_kv_events(self, identity: bytes, msg: protocol.KvEvents) -> None:
+        w = self.registry.workers.get(msg.worker_id)
+        if self.kv is None or w is None or w.identity != identity:
+            return
+        try:
+            batch = _kv_decoder().decode(msg.batch)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            self.dropped_messages += 1
+            logger.warning("dropped KV events %d of %s: %s", msg.seq, w.id, e)
+            return
+        self.kv.apply(w.id, msg.seq, batch)
+        self._ask_replay(w)
+
+    def _ask_replay(self, w: Worker) -> None:
+        assert self.kv is not None
+        start = self.kv.needs_replay(w.id)
+        if start is None:
+            self._replay_asked.pop(w.id, None)
+            return
+        now = self.registry.clock()
+        if now - self._replay_asked.get(w.id, -REPLAY_RETRY_S) < REPLAY_RETRY_S:
+            return
+        self._replay_asked[w.id] = now
+        self._reply(w.identity, protocol.KvReplay(start))
+
+    def cached_tokens(self, prompt_keys: list[int], n_tokens: int,
+                      workers: list[Worker]) -> dict[str, int | None]:
+        """Tokens of a prompt (`prompt_keys` = kvindex.block_keys of it) each worker's engine
+        holds, as the KV index knows; None for a worker it cannot speak for (no events, or a
+        gap in them): routing then falls back to its own estimate."""
+        kv = self.kv
+        if kv is None:
+            return {w.id: None for w in workers}
+        matched = kv.match(prompt_keys, [w.id for w in workers])
+        bs = kv.block_size
+        return {w.id: (min(matched.get(w.id, 0) * bs, max(0, n_tokens - 1))
+                       if kv.exact(w.id) else None) for w in workers}
 
     def _accepted(self) -> protocol.RegisterAck:
         return protocol.RegisterAck(True, "", self.id, self.registry.heartbeat_interval,
@@ -295,6 +385,13 @@ class Pool:
             self.check_workers()
             if self._unreleased:
                 self._retry_releases()
+            if self.kv is not None:
+                for wid in self.kv.expire():
+                    logger.warning("KV events of %s: a gap was not filled in time; its index "
+                                   "entries are dropped and learnt again", wid)
+                for wid in list(self._replay_asked):
+                    if (w := self.registry.workers.get(wid)) is not None:
+                        self._ask_replay(w)
 
     # ---- failure detection -----------------------------------------------------------------
 

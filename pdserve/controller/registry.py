@@ -53,6 +53,8 @@ class Worker:
     inflight: int = 0  # this controller's requests on the worker right now
     legs_total: int = 0  # request legs this controller has sent to the worker
     pid: int = 0
+    kv_events: bool = False  # its engine's prefix-cache events reach the pool's KV index
+    kv_block_bytes: int = 0  # bytes of one KV block (0: unknown)
 
     def serves(self, side: Role) -> bool:
         return self.role.serves(side)
@@ -112,7 +114,8 @@ class Registry:
         now = self.clock()
         old = self.workers.get(msg.worker_id)
         worker = Worker(msg.worker_id, Role(msg.role), msg.address, msg.kv_port, msg.info,
-                        identity, registered_at=now, last_seen=now, pid=msg.pid)
+                        identity, registered_at=now, last_seen=now, pid=msg.pid,
+                        kv_events=msg.kv_events, kv_block_bytes=msg.kv_block_bytes)
         if old is not None and old.state != WorkerState.DEAD and old.identity == identity:
             worker.inflight = old.inflight  # same connection registering again: keep our count
         self.workers[msg.worker_id] = worker

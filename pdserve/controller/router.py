@@ -1,7 +1,9 @@
 """Worker-selection policies: small classes over a list of candidate workers (pure logic).
 
 Every policy gets only workers that may take work (ready, right role) and returns one of them.
-Ties are broken by worker id so that a choice is reproducible in tests.
+Ties are broken by worker id so that a choice is reproducible in tests. `cached` maps a worker id
+to the prompt tokens its engine holds, from the pool's KV index (None: the index cannot say);
+only the kv_aware policies read it.
 """
 
 from __future__ import annotations
@@ -10,16 +12,21 @@ import abc
 import hashlib
 import random
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from pdserve.controller.registry import Worker
 
 
+Cached = Mapping[str, "int | None"]
+
+
 class Policy(abc.ABC):
     name = ""
+    uses_cache = False  # wants `cached` (the caller then looks the prompt up in the index)
 
     @abc.abstractmethod
-    def choose(self, workers: Sequence[Worker], prompt: Sequence[int] = ()) -> Worker | None:
+    def choose(self, workers: Sequence[Worker], prompt: Sequence[int] = (),
+               cached: Cached | None = None) -> Worker | None:
         """One of `workers` (all of which may take work), or None if there are none."""
 
     def routed(self, worker: Worker, prompt: Sequence[int]) -> None:
@@ -32,7 +39,7 @@ class RoundRobin(Policy):
     def __init__(self):
         self._next = 0
 
-    def choose(self, workers, prompt=()):
+    def choose(self, workers, prompt=(), cached=None):
         if not workers:
             return None
         ordered = sorted(workers, key=lambda w: w.id)
@@ -51,11 +58,13 @@ class LeastLoaded(Policy):
         self._turn = 0
         self._last: dict[str, int] = {}
 
-    def choose(self, workers, prompt=()):
+    def choose(self, workers, prompt=(), cached=None):
         if not workers:
             return None
-        return min(workers, key=lambda w: (w.score(), w.load.kv_usage,
-                                           self._last.get(w.id, -1), w.id))
+        return min(workers, key=self.order)
+
+    def order(self, w: Worker) -> tuple:
+        return (w.score(), w.load.kv_usage, self._last.get(w.id, -1), w.id)
 
     def routed(self, worker, prompt):
         self._turn += 1
@@ -73,7 +82,7 @@ class PowerOfTwo(Policy):
     def __init__(self, rng: random.Random | None = None):
         self.rng = rng or random.Random()
 
-    def choose(self, workers, prompt=()):
+    def choose(self, workers, prompt=(), cached=None):
         if not workers:
             return None
         if len(workers) == 1:
@@ -118,7 +127,7 @@ class PrefixAware(Policy):
             matched[owner] = i + 1
         return matched
 
-    def choose(self, workers, prompt=()):
+    def choose(self, workers, prompt=(), cached=None):
         if not workers:
             return None
         least = min(workers, key=lambda w: (w.score(), w.id))
@@ -139,14 +148,75 @@ class PrefixAware(Policy):
             self._owner.popitem(last=False)
 
 
-POLICIES = {p.name: p for p in (RoundRobin, LeastLoaded, PowerOfTwo, PrefixAware)}
+class KvAware(PrefixAware):
+    """Route on what the engines hold (the pool's KV index), weighed against their load.
+
+    Prefill: the lowest cost, cost = the prompt tokens the worker would compute (those its
+    engine lacks) + the work queued on it in tokens (its requests x the mean prompt routed
+    here), so a hot prefix spreads once its holder is busier than recomputing elsewhere costs.
+    Decode: the worker holding the longest prefix (it then reads only the blocks it lacks, or
+    prefills the rest itself), unless it is busier than the least-loaded one by more than
+    `balance` requests: a decode worker's load is every stream's step time.
+    A worker the index cannot speak for (no events, a gap in them) is judged by PrefixAware's
+    estimate (what this controller sent where), so the policy degrades to that one.
+    """
+
+    name = "kv_aware"
+    uses_cache = True
+
+    def __init__(self, side: str, block_size: int = 16, balance: float = 4.0):
+        super().__init__(block_size=block_size, balance=balance)
+        self.side = side
+        self.mean_prompt = 512.0  # tokens; a moving average of what is routed
+        self.ties = LeastLoaded()  # equal costs: least loaded, then least recently chosen
+
+    def held(self, workers: Sequence[Worker], prompt: Sequence[int],
+             cached: Cached | None) -> dict[str, int]:
+        """Tokens of `prompt` each worker is believed to hold."""
+        estimate: dict[str, int] | None = None
+        out = {}
+        for w in workers:
+            c = (cached or {}).get(w.id)
+            if c is None:
+                if estimate is None:
+                    estimate = self.match(prompt)
+                c = min(estimate.get(w.id, 0) * self.block_size, max(0, len(prompt) - 1))
+            out[w.id] = c
+        return out
+
+    def choose(self, workers, prompt=(), cached=None):
+        if not workers:
+            return None
+        held = self.held(workers, prompt, cached)
+        rank = {w.id: i for i, w in enumerate(sorted(workers, key=self.ties.order))}
+        if self.side == "prefill":
+            n = len(prompt)
+            return min(workers, key=lambda w: (n - held[w.id] + w.score() * self.mean_prompt,
+                                               rank[w.id]))
+        least = min(workers, key=lambda w: rank[w.id])
+        best = min(workers, key=lambda w: (-held[w.id], rank[w.id]))
+        if not held[best.id] or best.score() - least.score() > self.balance:
+            return least
+        return best
+
+    def routed(self, worker, prompt):
+        super().routed(worker, prompt)
+        self.ties.routed(worker, prompt)
+        self.mean_prompt += 0.05 * (len(prompt) - self.mean_prompt)
+
+
+POLICIES = {p.name: p for p in (RoundRobin, LeastLoaded, PowerOfTwo, PrefixAware, KvAware)}
 PREFILL_POLICIES = sorted(POLICIES)
 DECODE_POLICIES = sorted(n for n in POLICIES if n != PrefixAware.name)
 
 
-def make_policy(name: str, block_size: int = 16) -> Policy:
+def make_policy(name: str, block_size: int = 16, side: str = "prefill") -> Policy:
     if name not in POLICIES:
         raise ValueError(f"unknown routing policy {name!r}; choose from {sorted(POLICIES)}")
+    if name == KvAware.name:
+        return KvAware(side, block_size=block_size)
     if name == PrefixAware.name:
         return PrefixAware(block_size=block_size)
-    return POLICIES[name]()
+    simple: dict[str, type[RoundRobin | LeastLoaded | PowerOfTwo]] = {
+        p.name: p for p in (RoundRobin, LeastLoaded, PowerOfTwo)}
+    return simple[name]()

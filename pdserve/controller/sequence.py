@@ -34,12 +34,15 @@ from typing import Protocol
 import msgspec
 
 from pdserve import protocol
+from pdserve.controller.kvindex import block_keys
+from pdserve.controller.phases import HandoffClock
 from pdserve.controller.pool import Leg, Pool, WorkerLost
+from pdserve.controller.receipts import Route, new_route
 from pdserve.controller.registry import Worker
-from pdserve.controller.router import Policy
+from pdserve.controller.router import Cached, Policy
 from pdserve.controller.stream import Stream
 from pdserve.errors import NoWorkerAvailable, RequestFailed, StepTimeout
-from pdserve.protocol import ErrorKind, Phase, Role, SeqDelta
+from pdserve.protocol import KV_READ_STATS, ErrorKind, Phase, Role, SeqDelta
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +74,9 @@ class Settings:
     prefill_policy: str = "least_loaded"
     decode_policy: str = "least_loaded"
     local_prefill_threshold: int = 0  # contexts shorter than this are prefilled by decode
+    # A context the chosen decode worker's engine partly holds (the KV index says so), with
+    # fewer than this many tokens left to compute, is prefilled there: the handoff is skipped.
+    skip_handoff_below: int = 0
     queue_timeout: float = 10.0  # how long to wait for a worker of a needed role to appear
     prefill_timeout: float = 300.0
     token_timeout: float = 60.0  # decode's first token (incl. the KV pull) and each later gap
@@ -94,6 +100,7 @@ class _Aborted(Exception):
 
 
 _ABORTED = object()  # put on a leg's queue to wake its reader when the sequence is aborted
+_CHECK = object()  # put on a leg's queue by its reader's timer: time to check for a timeout
 
 
 def own_draw(params) -> bool:
@@ -152,6 +159,10 @@ class Sequence:
         self.failed_on: set[str] = set()  # workers that failed this sequence: tried last
         self._streamed_text = ""  # text of the prefill's token, which decode reproduces
         self._text_upto = 0  # leading tokens of the stream whose text the client has
+        self.route: Route = new_route()  # where it went and why (receipts.py)
+        self._keys: tuple[int, list[int]] | None = None  # (context length, its block keys)
+        self._ctx: list[int] = prompt  # this attempt's context
+        self._clock: HandoffClock | None = None  # the handoff in progress, for its phases
 
     # ---- public ----------------------------------------------------------------------------
 
@@ -181,6 +192,8 @@ class Sequence:
                                    done, self.failures + 1)
             if self.state != State.ABORTED:
                 self.state = State.DONE
+                logger.info("request %s: %s", self.request_id, self.route.describe())
+                self.obs.routed(self.route)
         except BaseException:
             self.abort()
             raise
@@ -214,12 +227,36 @@ class Sequence:
         self.attempt += 1
         return f"{self.request_id}-{self.index}-{phase}{self.attempt}-{self._tag}"
 
-    async def _choose(self, side: Role, policy: Policy, tokens: list[int]) -> Worker:
+    async def _choose(self, side: Role, policy: Policy, tokens: list[int],
+                      ) -> tuple[Worker, int | None]:
+        """A worker for `side`, and the tokens of `tokens` the KV index says it holds."""
         ready = await self._ready(side)
-        w = policy.choose([w for w in ready if w.id not in self.failed_on] or ready, tokens)
+        candidates = [w for w in ready if w.id not in self.failed_on] or ready
+        cached = self._cached(tokens, candidates) if policy.uses_cache else None
+        w = policy.choose(candidates, tokens, cached)
         assert w is not None
         policy.routed(w, tokens)
-        return w
+        return w, (cached or {}).get(w.id)
+
+    def _cached(self, tokens: list[int], workers: list[Worker]) -> Cached | None:
+        kv = self.pool.kv
+        if kv is None:
+            return None
+        return self.pool.cached_tokens(self._block_keys(tokens), len(tokens), workers)
+
+    def _block_keys(self, tokens: list[int]) -> list[int]:
+        # A context only grows (a migration adds the tokens streamed): its length names it.
+        assert self.pool.kv is not None
+        if self._keys is None or self._keys[0] != len(tokens):
+            self._keys = (len(tokens), block_keys(tokens, self.pool.kv.block_size))
+        return self._keys[1]
+
+    def _correct(self, worker: Worker, tokens: list[int], said: int | None, had: int) -> None:
+        """An engine held less than the index said (a removal it missed): tell the index."""
+        kv = self.pool.kv
+        if kv is not None and said is not None and had < said:
+            bs = kv.block_size
+            kv.correct(worker.id, self._block_keys(tokens)[:(len(tokens) - 1) // bs], had // bs)
 
     async def _ready(self, side: Role) -> list[Worker]:
         """The workers that may take work on a side, waiting up to the queue timeout for one."""
@@ -241,7 +278,12 @@ class Sequence:
     async def _attempt(self) -> AsyncIterator[None]:
         a = self._plan()
         self.obs.queued()
-        steps = self._local(a) if self._goes_local(a) else self._disaggregated(a)
+        # The decode worker first: what its engine holds decides whether a handoff pays.
+        d, d_cached = await self._choose(Role.DECODE, self.decode_policy, a.ctx)
+        self._ctx = a.ctx
+        self.route.placed(len(a.ctx), d.id, d_cached)
+        reason = self._local_reason(a, d_cached)
+        steps = self._local(a, d, reason) if reason else self._disaggregated(a, d)
         async for _ in steps:
             yield
 
@@ -259,18 +301,23 @@ class Sequence:
                      min_left=max(0, (self.params.min_tokens or 0) - keep),
                      want_plp=bool(self.params.prompt_logprobs) and first_attempt)
 
-    def _goes_local(self, a: _Plan) -> bool:
+    def _local_reason(self, a: _Plan, d_cached: int | None) -> str:
+        """Why the decode worker should prefill this context itself ("" if it should not):
+        the context is short, or its engine holds all but a short part of it."""
         # A seeded request's local prefill may be chunked, which kills a CPU engine (module
         # docstring): it is disaggregated whenever a prefill worker can take it.
-        return len(a.ctx) < self.s.local_prefill_threshold and not (
-            own_draw(self.params) and self.pool.registry.ready(Role.PREFILL))
+        if own_draw(self.params) and self.pool.registry.ready(Role.PREFILL):
+            return ""
+        if len(a.ctx) < self.s.local_prefill_threshold:
+            return "short"
+        if d_cached and len(a.ctx) - d_cached < self.s.skip_handoff_below:
+            return "cached"
+        return ""
 
-    async def _local(self, a: _Plan) -> AsyncIterator[None]:
+    async def _local(self, a: _Plan, d: Worker, reason: str) -> AsyncIterator[None]:
         self.state = State.LOCAL
-        d = await self._choose(Role.DECODE, self.decode_policy, a.ctx)
+        self.route.path, self.route.reason = "local", reason
         self.obs.local(d.id)
-        logger.info("request %s: %d-token prompt prefilled locally on %s", self.request_id,
-                    len(a.ctx), d.id)
         leg = self._send(d, Phase.LOCAL, a.ctx, leg_params(
             self.params, max_tokens=a.left, min_tokens=a.min_left, prompt_logprobs=a.want_plp),
             forced=a.replay)
@@ -278,12 +325,14 @@ class Sequence:
                                    skip=a.replay):
             yield
 
-    async def _disaggregated(self, a: _Plan) -> AsyncIterator[None]:
-        """Prefill, stream (or hold) its token, hand the KV to a decode worker, relay it."""
+    async def _disaggregated(self, a: _Plan, d: Worker) -> AsyncIterator[None]:
+        """Prefill, stream (or hold) its token, hand the KV to decode worker `d`, relay it."""
         self.state = State.PREFILL
-        await self._ready(Role.DECODE)  # else the prefill's blocks would wait for no one
-        p = await self._choose(Role.PREFILL, self.prefill_policy, a.ctx)
+        self.route.path = "disaggregated"
+        p, p_cached = await self._choose(Role.PREFILL, self.prefill_policy, a.ctx)
+        self.route.prefill, self.route.prefill_cached = p.id, p_cached
         first, kv, leg = await self._prefill(p, a)
+        self._clock = HandoffClock(prefill_out=time.monotonic())
         held, forced = None, list(a.replay)
         if first is not None:  # the prefill drew the first token
             ends_here = first.finish_reason is not None and (first.finish_reason != "length"
@@ -306,7 +355,7 @@ class Sequence:
             self._streamed_text = first.text
         if kv is None:
             raise WorkerFailed(f"prefill worker {p.id} returned no KV-transfer parameters")
-        async for _ in self._handoff(a, kv, forced, held):
+        async for _ in self._handoff(a, d, kv, forced, held):
             yield
 
     async def _prefill(self, p: Worker, a: _Plan,
@@ -323,6 +372,8 @@ class Sequence:
         outs = [o async for o in self._outputs(leg, "prefill", self.s.prefill_timeout,
                                                self.s.prefill_timeout)]
         kv = outs[-1].kv_transfer_params
+        self.route.prefill_hit = outs[-1].num_cached_tokens or 0
+        self._correct(p, a.ctx, self.route.prefill_cached, self.route.prefill_hit)
         if a.want_plp:
             self.stream.set_prompt_logprobs(next((o.prompt_logprobs for o in outs
                                                   if o.prompt_logprobs is not None), None))
@@ -333,17 +384,22 @@ class Sequence:
         first = None if own_draw(self.params) else _merge([d for o in outs for d in o.seqs])
         return first, kv, leg
 
-    async def _handoff(self, a: _Plan, kv: dict, forced: list[int],
+    async def _handoff(self, a: _Plan, d: Worker, kv: dict, forced: list[int],
                        held: SeqDelta | None) -> AsyncIterator[None]:
-        """A decode worker pulls the KV, redraws `forced` (dropped here) and decodes on."""
+        """Decode worker `d` (another, if it is gone meanwhile) pulls the KV, redraws `forced`
+        (dropped here) and decodes on."""
         self.state = State.HANDOFF
-        d = await self._choose(Role.DECODE, self.decode_policy, a.ctx)
+        if d not in self.pool.registry.ready(Role.DECODE):
+            d, cached = await self._choose(Role.DECODE, self.decode_policy, a.ctx)
+            self.route.decode, self.route.decode_cached = d.id, cached
         # Without the prefill's own cache-hit count, vLLM reports on the decode side what it
         # did not compute: the tokens whose KV it received (plus its own prefix-cache hits).
         handoff = {k: v for k, v in kv.items() if k != "remote_prefill_cached_tokens"}
         leg = self._send(d, Phase.DECODE, a.ctx, leg_params(
             self.params, max_tokens=a.left, min_tokens=a.min_left, prompt_logprobs=False),
             kv_transfer_params=handoff, forced=forced)
+        if self._clock is not None:
+            self._clock.decode_sent = time.monotonic()
         self.pending_kv = None  # the decode worker now owns the handoff
         try:
             async for _ in self._relay(leg, "KV handoff", first_timeout=self.s.token_timeout,
@@ -366,14 +422,21 @@ class Sequence:
 
     async def _outputs(self, leg: Leg, step: str, first_timeout: float,
                        gap_timeout: float) -> AsyncIterator[protocol.Output]:
+        loop = asyncio.get_running_loop()
         timeout, reason = first_timeout, None
+        deadline = loop.time() + timeout
+        # One timer per leg, not one per output: when it fires it wakes this reader, which
+        # gives up only if no output came meanwhile (each moves the deadline on).
+        watchdog = loop.call_at(deadline, leg.queue.put_nowait, _CHECK)
         try:
             while True:
-                try:
-                    item = await asyncio.wait_for(leg.queue.get(), timeout)
-                except asyncio.TimeoutError:
+                item = leg.queue.get_nowait() if not leg.queue.empty() else await leg.queue.get()
+                if item is _CHECK:
+                    if loop.time() < deadline:
+                        watchdog = loop.call_at(deadline, leg.queue.put_nowait, _CHECK)
+                        continue
                     self.pool.abort(leg)
-                    raise StepTimeout(step, leg.worker.id, timeout) from None
+                    raise StepTimeout(step, leg.worker.id, timeout)
                 if item is _ABORTED:
                     raise _Aborted()
                 if isinstance(item, WorkerLost):
@@ -384,7 +447,10 @@ class Sequence:
                     if item.error_kind == ErrorKind.DEAD:  # nothing more runs there
                         self.pool.lost(leg.worker, f"its engine died ({item.error})")
                     raise WorkerFailed(f"worker {leg.worker.id}: {item.error}")
-                reason = next((d.finish_reason for d in item.seqs if d.finish_reason), reason)
+                for d in item.seqs:
+                    if d.finish_reason:
+                        reason = d.finish_reason
+                        break
                 if reason in ("error", "abort"):
                     # The engine gave up on the leg (a decode engine whose KV pull failed, an
                     # engine shutting down): never a whole answer; another worker may succeed.
@@ -397,10 +463,15 @@ class Sequence:
                 if item.finished:
                     return
                 step, timeout = "decode", gap_timeout
+                deadline = loop.time() + timeout
+                if deadline < watchdog.when():  # a shorter gap than the first wait
+                    watchdog.cancel()
+                    watchdog = loop.call_at(deadline, leg.queue.put_nowait, _CHECK)
         except (WorkerLost, WorkerFailed, StepTimeout):
             self.failed_on.add(leg.worker.id)
             raise
         finally:
+            watchdog.cancel()
             if leg in self.legs:
                 self.legs.remove(leg)
             # Left before the leg ended (cancelled: the client went away): the worker must drop
@@ -423,6 +494,14 @@ class Sequence:
         async for out in self._outputs(leg, step, first_timeout, self.s.token_timeout):
             if out.num_cached_tokens is not None:
                 self.stream.num_cached_tokens = min(out.num_cached_tokens, len(self.prompt))
+            if out.timings is not None and self._clock is not None:
+                self._clock.first_out, self._clock.timings = time.monotonic(), out.timings
+            if out.kv_transfer_params and KV_READ_STATS in out.kv_transfer_params:
+                self._kv_read(leg.worker, out.kv_transfer_params[KV_READ_STATS])
+            elif self.route.path == "local" and out.num_cached_tokens is not None:
+                self.route.decode_hit = out.num_cached_tokens
+                self._correct(leg.worker, self._ctx, self.route.decode_cached,
+                              out.num_cached_tokens)
             if out.prompt_logprobs is not None:
                 self.stream.set_prompt_logprobs(out.prompt_logprobs)
             n, changed = 0, False
@@ -443,6 +522,19 @@ class Sequence:
             if changed:  # also a last delta without tokens: its finish reason must go out
                 yield
                 self._check_aborted()
+
+    def _kv_read(self, d: Worker, stats: list[int]) -> None:
+        """The decode engine's report: tokens it had cached itself, tokens whose KV it read."""
+        hit, read = int(stats[0]), int(stats[1])
+        r = self.route
+        r.decode_hit, r.kv_read_tokens = hit, read
+        r.kv_bytes = -(-read // d.info.block_size) * d.kv_block_bytes
+        self._correct(d, self._ctx, r.decode_cached, hit)
+        if self._clock is not None:
+            phases = self._clock.phases((stats[2], stats[3]) if len(stats) >= 4 else None)
+            if phases is not None:
+                self.obs.handoff_phases(phases)
+            self._clock = None
 
     def _add(self, d: SeqDelta) -> None:
         self.stream.add(d, self.index)
@@ -516,6 +608,8 @@ class Observer(Protocol):
     def decode_started(self, worker_id: str) -> None: ...
     def tokens(self, n: int) -> None: ...
     def retried(self, migrated: bool) -> None: ...
+    def routed(self, route: Route) -> None: ...
+    def handoff_phases(self, phases: dict[str, float]) -> None: ...
 
 
 class _NoObserver:
@@ -538,4 +632,10 @@ class _NoObserver:
         pass
 
     def retried(self, migrated: bool) -> None:
+        pass
+
+    def routed(self, route: Route) -> None:
+        pass
+
+    def handoff_phases(self, phases: dict[str, float]) -> None:
         pass

@@ -21,6 +21,8 @@ from pdserve.controller.client import PDController
 from pdserve.controller.history import History
 from pdserve.controller.metrics import Metrics
 from pdserve.controller.pool import Pool
+from pdserve.controller.receipts import header as receipt_header
+from pdserve.controller.receipts import open_receipt
 from pdserve.controller.router import DECODE_POLICIES, PREFILL_POLICIES
 from pdserve.controller.sequence import Settings
 from pdserve.errors import Refused
@@ -44,13 +46,28 @@ def add_pd_args(parser) -> None:
     g.add_argument(api_servers.INDEX_FLAG, type=int, default=None, help=argparse.SUPPRESS)
     g.add_argument("--keys", default=None,
                    help="folder from `pdserve keygen`: CurveZMQ-encrypt and authenticate workers")
-    g.add_argument("--prefill-policy", default="least_loaded", choices=PREFILL_POLICIES)
-    g.add_argument("--decode-policy", default="least_loaded", choices=DECODE_POLICIES)
+    g.add_argument("--prefill-policy", default="kv_aware", choices=PREFILL_POLICIES,
+                   help="kv_aware: fewest tokens to compute, counting what each engine holds "
+                        "(its KV events) and its queue; prefix_aware: what this controller "
+                        "sent where; or load only")
+    g.add_argument("--decode-policy", default="kv_aware", choices=DECODE_POLICIES,
+                   help="kv_aware: the worker holding the longest prefix of the request (it "
+                        "reads only the KV it lacks), unless much busier than the least loaded")
+    g.add_argument("--no-kv-index", action="store_true",
+                   help="ignore the workers' KV events (kv_aware then routes on this "
+                        "controller's own estimate of what each engine holds)")
     # 0: on the mixed workload, local prefill of short prompts cost 10-17% goodput until the
     # decode pool saturates (docs/performance.md, "The local-prefill threshold").
     g.add_argument("--local-prefill-threshold", type=int, default=0,
                    help="prompts shorter than this many tokens are prefilled by their decode "
                         "worker, skipping the KV handoff (0: always disaggregate)")
+    # 128: where a local prefill's stall of the decode worker's streams is about what a handoff
+    # adds to TTFT (docs/performance.md, "The local-prefill threshold").
+    g.add_argument("--skip-handoff-below", type=int, default=128,
+                   help="when the chosen decode worker's engine already holds part of a prompt "
+                        "(a follow-up turn, a shared prefix) and fewer than this many tokens "
+                        "are left to compute, it prefills them itself: no prefill worker, no "
+                        "KV handoff (0: never)")
     g.add_argument("--first-token", choices=["prefill", "decode"], default="prefill",
                    help="prefill: stream the prefill worker's first token at once (lowest TTFT); "
                         "decode: send it with the decode worker's first output (TTFT includes "
@@ -127,6 +144,7 @@ def settings_from(args) -> Settings:
                                       getattr(args, "max_num_queued_reqs", None))
     return Settings(prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
                     local_prefill_threshold=args.local_prefill_threshold,
+                    skip_handoff_below=args.skip_handoff_below,
                     queue_timeout=args.queue_timeout, prefill_timeout=args.prefill_timeout,
                     token_timeout=args.token_timeout, max_retries=args.max_retries,
                     first_token=args.first_token, max_inflight=max_inflight,
@@ -173,9 +191,11 @@ def add_routes(app, controller: PDController, metrics: Metrics,
 
 
 class ControllerHeader:
-    """Names the controller that answered (`x-pdserve-controller`): with several API servers
-    or replicas behind one address, the one whose logs and /pd views tell the story. Plain
-    ASGI, so streamed responses pass through untouched."""
+    """Names the controller that answered (`x-pdserve-controller`: with several API servers or
+    replicas behind one address, the one whose logs and /pd views tell the story) and the
+    request's route receipt (`x-pdserve-route`, receipts.py). The response's headers wait for
+    its first body bytes, by which time the request's sequences are placed; plain ASGI, so
+    streamed responses pass through untouched."""
 
     def __init__(self, app, controller_id: str):
         self.app = app
@@ -184,13 +204,23 @@ class ControllerHeader:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        routes = open_receipt()
+        start = None
 
-        async def send_with_header(message):
+        async def send_with_headers(message):
+            nonlocal start
             if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", ()), self.header]
+                start = message  # sent with the first body bytes
+                return
+            if start is not None:
+                headers = [*start.get("headers", ()), self.header]
+                if receipt := receipt_header(routes):
+                    headers.append((b"x-pdserve-route", receipt.encode()))
+                await send({**start, "headers": headers})
+                start = None
             await send(message)
 
-        await self.app(scope, receive, send_with_header)
+        await self.app(scope, receive, send_with_headers)
 
 
 def add_retry_after(app) -> None:
@@ -227,7 +257,7 @@ async def serve(args: argparse.Namespace) -> None:
     pool = Pool(f"tcp://{worker_host}:{worker_port}", expected=expected_info(vllm_config),
                 keys=keys, heartbeat_interval=args.heartbeat_interval,
                 missed_heartbeats=args.missed_heartbeats, dead_after=args.dead_after,
-                siblings=siblings)
+                siblings=siblings, kv_index=not args.no_kv_index)
     metrics = Metrics()
     metrics.watch_pool(pool.registry)
     registry = get_prometheus_registry()
@@ -249,6 +279,9 @@ async def serve(args: argparse.Namespace) -> None:
     logger.info("pdserve controller serving on %s", listen_address)
     # vLLM's --log-config-file and --disable-access-log-for-endpoints, as its own server
     log_config = get_uvicorn_log_config(args)
+    # Before serve_http, which returns only once the server has stopped: the shutdown (vLLM's
+    # signal handler -> controller.shutdown) runs while it serves.
+    controller.on_closing = lambda: stop_listening(app)
     try:
         shutdown_task = await serve_http(
             app, sock=sock, enable_ssl_refresh=args.enable_ssl_refresh, host=args.host,
@@ -258,7 +291,6 @@ async def serve(args: argparse.Namespace) -> None:
             ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
             ssl_ciphers=args.ssl_ciphers, **({"log_config": log_config} if log_config else {}))
         _enable_pdserve_loggers()
-        controller.on_closing = lambda: stop_listening(app)
         await shutdown_task
     finally:
         sampler.cancel()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,6 +26,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
+
+from pdserve.protocol import KV_READ_STATS
 
 # Under vLLM's logger: this runs in the engine's processes, where only vLLM's handler exists
 # (a "pdserve.*" logger there has none, and its INFO lines were lost).
@@ -64,6 +67,9 @@ def _sleepy_progress_thread() -> Iterator[None]:
 
 class PDCpuNixlConnector(NixlPullConnector):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any):
+        # Decode side (scheduler): request id -> [tokens its prefix cache had, tokens to read,
+        # when the read was asked for, when it was done] (protocol.KV_READ_STATS).
+        self._reads: dict[str, list[float]] = {}
         if role != KVConnectorRole.WORKER or not current_platform.is_cpu():
             super().__init__(vllm_config, role, kv_cache_config)
             return
@@ -76,3 +82,40 @@ class PDCpuNixlConnector(NixlPullConnector):
             "pdserve CPU NIXL connector: progress thread polls every %d us, affinity kept at %s",
             PROGRESS_DELAY_US, sorted(affinity),
         )
+
+    # ---- what a decode read moved (scheduler side), reported with the request's end --------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
+        count, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill"):
+            # vLLM's reader pulls only the blocks past the engine's own prefix-cache hit.
+            self._reads[request.request_id] = [num_computed_tokens, count or 0, 0.0, 0.0]
+        return count, is_async
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
+        read = self._reads.get(request.request_id)
+        if read is not None and num_external_tokens:
+            read[2] = time.monotonic()  # the read goes out with this step's metadata
+        return super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        super().update_connector_output(connector_output)
+        now = time.monotonic()
+        for req_id in connector_output.finished_recving or ():
+            if (read := self._reads.get(req_id)) is not None:
+                read[3] = now
+
+    def request_finished(self, request: Any, block_ids: Any):
+        delay, params = super().request_finished(request, block_ids)
+        return delay, self._with_read(request, params)
+
+    def request_finished_all_groups(self, request: Any, block_ids: Any):
+        delay, params = super().request_finished_all_groups(request, block_ids)
+        return delay, self._with_read(request, params)
+
+    def _with_read(self, request: Any, params: dict[str, Any] | None) -> dict[str, Any] | None:
+        read = self._reads.pop(request.request_id, None)
+        if read is None:
+            return params
+        return {**(params or {}), KV_READ_STATS: read}

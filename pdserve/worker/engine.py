@@ -15,6 +15,7 @@ import msgspec
 
 from pdserve import protocol
 from pdserve.protocol import EngineInfo, Load, Role
+from pdserve.worker.kv_events import KvEventSource, ZmqKvEvents, endpoints, events_config
 
 KV_ROLES = {Role.PREFILL: "kv_producer", Role.DECODE: "kv_consumer", Role.BOTH: "kv_both"}
 CPU_CONNECTOR = "PDCpuNixlConnector"
@@ -27,6 +28,9 @@ ENGINE_OWN_GROUP_ENV = "PDSERVE_ENGINE_OWN_GROUP"  # read by worker/engine_proc.
 
 class Engine(Protocol):
     info: EngineInfo
+    kv_events: KvEventSource | None  # its prefix cache's KV events, if it publishes them
+    kv_blocks: int  # KV cache blocks (0: unknown)
+    kv_block_bytes: int  # bytes of one block's KV across all layers (what a handoff moves)
 
     def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: Any,
                  ) -> AsyncIterator[Any]:
@@ -55,6 +59,7 @@ class EngineSettings:
     kv_port: int = 5600
     cores: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0" or "0-3"
     kv_cache_gib: int = 1  # CPU only (VLLM_CPU_KVCACHE_SPACE takes whole GiB)
+    kv_events: bool = True  # publish prefix-cache events for the controllers' KV index
 
 
 def is_cpu_host() -> bool:
@@ -117,10 +122,41 @@ def configure(args, s: EngineSettings, cpu: bool):
     args.kv_transfer_config = kv_transfer_config(s.role, cpu)
     args.dtype = resolve_dtype(args.dtype, cpu)
     args.enable_prefix_caching = True
+    if s.kv_events and not _events_on(args):
+        from vllm.config.kv_events import KVEventsConfig
+
+        args.kv_events_config = KVEventsConfig(**events_config(*endpoints(str(os.getpid()))))
     if FORCED_TOKENS_PROCESSOR not in (args.logits_processors or []):
         args.logits_processors = [*(args.logits_processors or []), FORCED_TOKENS_PROCESSOR]
     args.disable_log_stats = False  # the stats feed the worker's heartbeat load
     return args
+
+
+def _events_on(args) -> bool:
+    cfg = getattr(args, "kv_events_config", None)
+    return bool(cfg and cfg.enable_kv_cache_events)
+
+
+def event_source(args) -> KvEventSource | None:
+    """A reader of the events the engine publishes (the user's --kv-events-config, if given
+    with a replay endpoint, else pdserve's own); None when events are off."""
+    cfg = getattr(args, "kv_events_config", None)
+    if not (cfg and cfg.enable_kv_cache_events and cfg.publisher == "zmq"
+            and cfg.replay_endpoint):
+        return None
+    local = "tcp://127.0.0.1:"
+    return ZmqKvEvents(cfg.endpoint.replace("tcp://*:", local),
+                       cfg.replay_endpoint.replace("tcp://*:", local))
+
+
+def block_bytes(vllm_config) -> int:
+    """Bytes of KV one block holds across all layers (keys and values)."""
+    import torch
+
+    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    itemsize = torch.empty((), dtype=mc.dtype).element_size()
+    return (2 * mc.get_num_layers(pc) * mc.get_num_kv_heads(pc) * mc.get_head_size()
+            * vllm_config.cache_config.block_size * itemsize)
 
 
 def decode_params(raw: bytes) -> Any:
@@ -167,6 +203,9 @@ class VllmEngine:
         self.llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._stats.factory])
         self.info = engine_info(self.llm.vllm_config)
         self.vllm_config = self.llm.vllm_config
+        self.kv_blocks = self.vllm_config.cache_config.num_gpu_blocks or 0
+        self.kv_block_bytes = block_bytes(self.vllm_config)
+        self.kv_events = event_source(args)
 
     def generate(self, request_id, prompt_token_ids, sampling_params):
         prompt = {"type": "token", "prompt_token_ids": prompt_token_ids}
@@ -187,6 +226,8 @@ class VllmEngine:
         await self.llm.check_health()
 
     def shutdown(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.close()
         self.llm.shutdown()
 
 

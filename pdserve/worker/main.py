@@ -64,6 +64,9 @@ def make_parser():
                         "hosts: a core no other pdserve worker here holds, else the "
                         "least-claimed one, shared)")
     g.add_argument("--kv-cache-gib", type=int, default=1, help="KV cache size on CPU hosts")
+    g.add_argument("--no-kv-events", action="store_true",
+                   help="do not publish the engine's prefix-cache events to the controllers "
+                        "(they then route on their own estimate of what it holds)")
     g.add_argument("--keys", default=None, help="folder from `pdserve keygen` (CurveZMQ)")
     g.add_argument("--health-port", type=int, default=0,
                    help="serve GET /health here (200 once registered), for probes")
@@ -134,7 +137,7 @@ async def run(args) -> int:
     host = args.advertise_host or route_address(_first_controller(args))
     kv_port = args.kv_port or free_port(host)
     settings = EngineSettings(role, advertise_host=host, kv_port=kv_port, cores=args.cores,
-                              kv_cache_gib=args.kv_cache_gib)
+                              kv_cache_gib=args.kv_cache_gib, kv_events=not args.no_kv_events)
     keys = transport.Keys.load(args.keys) if args.keys else None
     engine = VllmEngine(settings, AsyncEngineArgs.from_cli_args(args))
     worker = PDWorker(engine, role, discovery, worker_id=args.worker_id, address=host,

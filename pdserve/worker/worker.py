@@ -22,6 +22,12 @@ as suspicion only (pdserve/controller/registry.py).
 
 Lifecycle of a request here: Generate arrives -> task streams the engine's DELTA outputs back as
 Output messages -> finished (or aborted by the controller, or failed with an error Output).
+
+The controllers served are found at run time (discovery.py): one link per controller, opened
+when it joins the set; one that leaves the set gets a Drain (no new work from it), finishes what
+it has here, and is unregistered from and closed. A controller that stops says Leave: its legs
+here are aborted at once. The engine's KV cache events are relayed, numbered, to every
+registered controller, and replayed to one that asks (kv_events.py).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+import msgspec
 import zmq
 import zmq.asyncio
 from vllm.exceptions import VLLMClientError
@@ -94,6 +101,7 @@ class PDWorker:
         self._next_link = 0
         self._found: set[str] = set()  # the controller set as discovery last gave it
         self._running = False
+        self._replays: set[asyncio.Task] = set()  # KV event replays in progress
         for url in sorted(self.discovery.static() or ()):  # literal addresses: no lookup
             self._found.add(url)
             self._open(url)
@@ -113,6 +121,8 @@ class PDWorker:
         for i in self.links:
             self._loops[i] = asyncio.create_task(self._recv_loop(i))
         loops = [asyncio.create_task(self._heartbeat_loop())]
+        if self.engine.kv_events is not None:
+            loops.append(asyncio.create_task(self._relay_kv_events()))
         if self.discovery.static() is None:
             loops.append(asyncio.create_task(self._discovery_loop()))
         try:
@@ -240,11 +250,54 @@ class PDWorker:
         link.sock.close(linger=500)  # the unregister still goes out
         logger.info("closed the link to controller %s: %s", link.url, reason)
 
+    # ---- KV events (worker/kv_events.py) ----------------------------------------------------
+
+    async def _relay_kv_events(self) -> None:
+        """Every batch of the engine's KV events to every controller this worker serves."""
+        assert self.engine.kv_events is not None
+        try:
+            async for seq, payload in self.engine.kv_events.live():
+                self._relay_batch(seq, payload)
+        except zmq.ZMQError as e:  # the controllers route without this worker's events
+            logger.warning("worker %s: its engine's KV events stopped (%s); controllers will "
+                           "route on their own estimate of its cache", self.worker_id, e)
+
+    def _relay_batch(self, seq: int, payload: bytes) -> None:
+        msg = protocol.KvEvents(self.worker_id, seq, msgspec.Raw(payload))
+        for link in self.links.values():
+            if link.registered:
+                try:
+                    transport.send_nowait(link.sock, msg)
+                except zmq.Again:
+                    pass  # the controller sees the gap and asks for a replay
+
+    async def _replay_kv_events(self, i: int, start: int) -> None:
+        assert self.engine.kv_events is not None
+        try:
+            batches = await self.engine.kv_events.replay(start)
+        except (zmq.ZMQError, OSError) as e:
+            logger.warning("KV event replay from %d failed: %s", start, e)
+            return
+        finally:
+            self._replays.discard(asyncio.current_task())
+        link = self.links.get(i)
+        for seq, payload in batches:
+            if link is None or not link.registered:
+                return
+            try:
+                transport.send_nowait(link.sock, protocol.KvEvents(self.worker_id, seq,
+                                                                   msgspec.Raw(payload)))
+            except zmq.Again:
+                return
+
     # ---- control plane ---------------------------------------------------------------------
 
     def _register_msg(self) -> protocol.Register:
         return protocol.Register(self.worker_id, self.role, self.address, self.engine.info,
-                                 kv_port=self.kv_port, pid=os.getpid())
+                                 kv_port=self.kv_port, pid=os.getpid(),
+                                 kv_events=self.engine.kv_events is not None,
+                                 kv_blocks=self.engine.kv_blocks,
+                                 kv_block_bytes=self.engine.kv_block_bytes)
 
     async def _heartbeat_loop(self) -> None:
         beat = time.monotonic()
@@ -301,6 +354,8 @@ class PDWorker:
                     pass  # hearing it is all it is for
                 elif isinstance(msg, protocol.Leave):
                     await self._on_leave(i, msg)
+                elif isinstance(msg, protocol.KvReplay):
+                    self._replays.add(asyncio.create_task(self._replay_kv_events(i, msg.start)))
                 else:
                     logger.warning("dropped a %s from %s: not a controller message",
                                    type(msg).__name__, link.url)
@@ -356,7 +411,7 @@ class PDWorker:
         if key in self.tasks:
             logger.warning("duplicate request id %s ignored", msg.request_id)
             return
-        task = asyncio.create_task(self._serve(i, msg))
+        task = asyncio.create_task(self._serve(i, msg, time.monotonic()))
         self.tasks[key] = task
         if msg.phase == Phase.DECODE and isinstance(msg.kv_transfer_params, dict):
             self.unstarted[key] = msg.kv_transfer_params
@@ -391,7 +446,7 @@ class PDWorker:
             logger.warning("controller %s unreachable: dropped output of %s", link.url,
                            out.request_id)
 
-    async def _serve(self, i: int, msg: protocol.Generate) -> None:
+    async def _serve(self, i: int, msg: protocol.Generate, received: float) -> None:
         rid = msg.request_id
         self.unstarted.pop((i, rid), None)  # from here on the engine owns it, and its abort
         try:
@@ -400,9 +455,12 @@ class PDWorker:
             if msg.phase == Phase.RELEASE:
                 await self.engine.release(rid, msg.kv_transfer_params or {})
                 return
-            finished = False
+            finished, first = False, msg.phase == Phase.DECODE
             async for ro in self.engine.generate(rid, msg.prompt_token_ids, params):
-                self._reply(i, to_output(ro))
+                out = to_output(ro)
+                if first:
+                    out.timings, first = handoff_times(received, ro), False
+                self._reply(i, out)
                 finished = ro.finished
             if not finished:  # never forwarded as a whole answer
                 raise RuntimeError("the engine's stream ended before the request finished")
@@ -445,6 +503,15 @@ def _params_for_phase(params, msg: protocol.Generate):
         extra["kv_transfer_params"] = dict(msg.kv_transfer_params)
     params.extra_args = extra or None
     return params
+
+
+def handoff_times(received: float, ro) -> list[float] | None:
+    """protocol.Output.timings of a decode leg's first output, from vLLM's request stats
+    (the engine core's monotonic clock is this host's, as this process's is)."""
+    m = getattr(ro, "metrics", None)
+    if m is None or not getattr(m, "first_token_ts", 0.0):
+        return None
+    return [received, m.queued_ts, m.scheduled_ts, m.first_token_ts, time.monotonic()]
 
 
 def _logprobs(entries) -> list[TokenLogprob]:

@@ -146,7 +146,7 @@ class Cluster:
         """Stop the controller (its pool socket closes); the workers keep running."""
         if not self.controller.is_stopped:
             self.controller.shutdown()
-            await self.pool.close()
+        await self.pool.close()  # also after a test's own shutdown: a pool left open hangs GC
 
     async def close(self) -> None:
         for w in self.workers.values():

@@ -24,7 +24,8 @@ from pdserve.protocol import (
 INFO = EngineInfo("m", "tok", 16, "float32", "nixl", 4096)
 
 MESSAGES = [
-    protocol.Register("w1", Role.BOTH, "10.0.0.2", INFO, kv_port=5600, pid=42),
+    protocol.Register("w1", Role.BOTH, "10.0.0.2", INFO, kv_port=5600, pid=42, kv_events=True,
+                      kv_blocks=4096, kv_block_bytes=65536),
     protocol.RegisterAck(False, "model: no", "c1", 0.25, reregister=True, dead_after=30.0,
                          siblings=[8002, 8003]),
     protocol.Heartbeat("w1", Load(3, 4, 0.75), draining=True),
@@ -36,6 +37,8 @@ MESSAGES = [
     protocol.Abort(["a", "b"]),
     protocol.Ping("c1"),
     protocol.Leave("c1", "shutting down"),
+    protocol.KvEvents("w1", 7, msgspec.Raw(msgspec.msgpack.encode([1.5, [], None]))),
+    protocol.KvReplay(3),
     protocol.Output("r1", [SeqDelta(1, " x", [5, 6], [[TokenLogprob(5, -0.5, 1, " x")],
                                                       [TokenLogprob(6, -1.0, None, None)]],
                                     -1.5, "stop", 6)],

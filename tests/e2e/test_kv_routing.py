@@ -1,0 +1,81 @@
+"""Cache-aware P/D with real engines (the shared 1P1D `pd_server`, default routing): the engines'
+KV events reach the controller's index, a conversation's later turns read only the KV blocks the
+decode engine lacks, a short remainder is prefilled by the decode worker itself (no handoff),
+and every turn's output equals one plain engine's."""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+
+from procs import get_json
+from test_openai import prompt_ids
+
+REPLY = 16
+
+
+def complete(base: str, model: str, prompt: list[int]) -> tuple[list[int], str]:
+    """Greedy token ids of a completion, and its route receipt."""
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": REPLY, "temperature": 0,
+                       "ignore_eos": True, "return_token_ids": True}).encode()
+    req = urllib.request.Request(base + "/v1/completions", body,
+                                 {"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        out = json.loads(r.read())
+        return out["choices"][0]["token_ids"], r.headers.get("x-pdserve-route") or ""
+
+
+def metric(base: str, name: str) -> float:
+    with urllib.request.urlopen(base + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M))
+
+
+def cached(receipt: str, side: str) -> int:
+    m = re.search(rf"{side}=\S+ cached=(\d+)", receipt)
+    assert m, receipt
+    return int(m[1])
+
+
+def test_a_conversation_reads_only_the_kv_the_decode_engine_lacks(pd_server, reference,
+                                                                  model_dir):
+    base, ref = pd_server.base, reference.base
+    B = get_json(base + "/pd/workers")[0]["block_size"]
+    moved = "pdserve_kv_transfer_bytes_sum"
+    skipped = 'pdserve_routes_total{path="local",reason="cached"}'
+    # Turn 1: nothing cached anywhere, the whole prompt is handed over.
+    prompt = prompt_ids(5 * B + 30, seed=7101)
+    before = metric(base, moved)
+    reply, receipt = complete(base, model_dir, prompt)
+    assert reply == complete(ref, model_dir, prompt)[0]
+    assert receipt.startswith("disaggregated") and cached(receipt, "decode") == 0
+    first = metric(base, moved) - before
+    assert first > 0
+    # Turn 2: the decode engine kept turn 1 (5 full blocks): only the 3 new blocks move.
+    prompt = prompt + reply
+    prompt += prompt_ids(8 * B - 15 - len(prompt), seed=7102)
+    before = metric(base, moved)
+    reply, receipt = complete(base, model_dir, prompt)
+    assert reply == complete(ref, model_dir, prompt)[0]
+    assert receipt.startswith("disaggregated"), receipt
+    assert cached(receipt, "prefill") == 5 * B and cached(receipt, "decode") == 5 * B
+    assert metric(base, moved) - before == first // 2
+    # Turn 3: the decode engine holds all but 21 tokens (it computed turn 2's reply too):
+    # it prefills them itself, nothing moves.
+    prompt = prompt + reply + prompt_ids(20, seed=7103)
+    before, was_skipped = metric(base, moved), metric(base, skipped)
+    reply, receipt = complete(base, model_dir, prompt)
+    assert reply == complete(ref, model_dir, prompt)[0]
+    assert receipt.startswith("local (cached)") and cached(receipt, "decode") == 8 * B, receipt
+    assert metric(base, moved) == before
+    assert metric(base, skipped) == was_skipped + 1
+
+
+def test_the_handoff_is_measured_phase_by_phase(pd_server, model_dir):
+    base = pd_server.base
+    count = 'pdserve_handoff_phase_seconds_count{phase="%s"}'
+    before = {p: metric(base, count % p) for p in ("transit", "kv_read", "first_step")}
+    complete(base, model_dir, prompt_ids(300, seed=7201))
+    for phase, n in before.items():  # the decode worker reported its engine's times
+        assert metric(base, count % phase) == n + 1, phase
