@@ -135,16 +135,24 @@ async def test_a_worker_registers_with_the_siblings_its_controller_names(make_cl
 # ---- controllers that stop or die --------------------------------------------------------
 
 
-async def test_a_stopping_controller_frees_its_legs_on_the_workers_at_once(make_cluster):
-    a = await make_cluster()  # dead_after 30 s: only its Leave can free the legs this soon
+async def streams_on_two(make_cluster, a_dead_after: float, a_tokens: int, b_tokens: int):
+    """Controllers A and B over one 1P1D pool, a stream running on each: (A, B, the decode
+    worker, A's stream, B's stream)."""
+    a = await make_cluster(dead_after=a_dead_after)
     b = await make_cluster()
     p, = await a.add("prefill", controllers=[a.address, b.address])
     d, = await a.add("decode", controllers=[a.address, b.address], decode_delay=0.05)
     await wait_until(lambda: b.is_ready(p.worker_id) and b.is_ready(d.worker_id))
     b.workers.update(a.workers)
-    on_a = asyncio.create_task(a.run(PROMPT, greedy(200)))
-    on_b = asyncio.create_task(b.run(PROMPT + [1], greedy(30)))
+    on_a = asyncio.create_task(a.run(PROMPT, greedy(a_tokens)))
+    on_b = asyncio.create_task(b.run(PROMPT + [1], greedy(b_tokens)))
     await wait_until(lambda: len(d.engine.active_requests()) == 2, what="both streams")
+    return a, b, d, on_a, on_b
+
+
+async def test_a_stopping_controller_frees_its_legs_on_the_workers_at_once(make_cluster):
+    # dead_after 30 s: only its Leave can free the legs this soon.
+    a, b, d, on_a, on_b = await streams_on_two(make_cluster, 30.0, 200, 30)
     on_a.cancel()  # as the server would, but with no Abort sent: only the Leave tells them
     a.controller.active.clear()
     await a.pool.close()
@@ -156,15 +164,7 @@ async def test_a_stopping_controller_frees_its_legs_on_the_workers_at_once(make_
 
 
 async def test_a_killed_controllers_legs_are_freed_after_its_dead_after(make_cluster):
-    a = await make_cluster(dead_after=1.0)
-    b = await make_cluster()
-    p, = await a.add("prefill", controllers=[a.address, b.address])
-    d, = await a.add("decode", controllers=[a.address, b.address], decode_delay=0.05)
-    await wait_until(lambda: b.is_ready(p.worker_id) and b.is_ready(d.worker_id))
-    b.workers.update(a.workers)
-    on_a = asyncio.create_task(a.run(PROMPT, greedy(400)))
-    on_b = asyncio.create_task(b.run(PROMPT + [1], greedy(60)))
-    await wait_until(lambda: len(d.engine.active_requests()) == 2, what="both streams")
+    a, b, d, on_a, on_b = await streams_on_two(make_cluster, 1.0, 400, 60)
     # kill -9: its socket is gone without a word to anyone.
     for t in a.pool._tasks:
         t.cancel()
