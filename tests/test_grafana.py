@@ -20,6 +20,7 @@ import pytest
 from promql import PromQLError, parse
 
 from pdserve.controller.metrics import Metrics
+from pdserve.controller.receipts import Route
 from pdserve.controller.registry import Registry
 from pdserve.protocol import EngineInfo, Load, Register, Role
 
@@ -62,6 +63,9 @@ def pdserve_series() -> dict[str, set[str]]:
     t.retried(migrated=True)
     t.retried(migrated=False)
     t.local("d1")
+    t.routed(Route(tokens=10, path="disaggregated", prefill="p1", prefill_hit=4, decode="d1",
+                   decode_hit=2, kv_read_tokens=8, kv_bytes=1024))
+    t.handoff_phases({"kv_read": 0.001})
     t.finish("completed")
     m.rejected_no_worker("decode")
     m.rejected("queue_full")

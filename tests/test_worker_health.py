@@ -23,7 +23,7 @@ async def get(port: int, path: str) -> tuple[int, str]:
 
 async def test_health_follows_registration_and_metrics_serves_the_registry():
     Counter("vllm_test_probe_total", "a series in the process's default registry").inc()
-    worker = SimpleNamespace(links=[SimpleNamespace(registered=False)], draining=False)
+    worker = SimpleNamespace(links={0: SimpleNamespace(registered=False)}, draining=False)
     port = free_port()
     server = await _health_server(port, worker, host="127.0.0.1")
     try:

@@ -172,7 +172,7 @@ def test_short_prompt_is_prefilled_locally(local_setup, ref_client, model_dir):
     ours, _ = complete(client, model_dir, prompt, max_tokens=8, temperature=0)
     ref, _ = complete(ref_client, model_dir, prompt, max_tokens=8, temperature=0)
     assert ours == ref
-    assert "prefilled locally on both-1" in ctl.log()
+    assert "local (short) decode=both-1" in ctl.log()  # the request's route receipt
     assert "pdserve_local_prefills_total 1.0" in get_text(base + "/metrics")
     [w] = get_json(base + "/pd/workers")
     assert w["legs_total"] == 1  # one leg on one worker: no prefill leg, no handoff
