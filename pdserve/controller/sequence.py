@@ -227,17 +227,15 @@ class Sequence:
         self.attempt += 1
         return f"{self.request_id}-{self.index}-{phase}{self.attempt}-{self._tag}"
 
-    async def _choose(self, side: Role, policy: Policy, tokens: list[int], commit: bool = True,
+    async def _choose(self, side: Role, policy: Policy, tokens: list[int],
                       ) -> tuple[Worker, int | None]:
-        """A worker for `side`, and the tokens of `tokens` the KV index says it holds; `commit`:
-        tell the policy it is used (else the caller does, if it keeps it)."""
+        """A worker for `side`, and the tokens of `tokens` the KV index says it holds."""
         ready = await self._ready(side)
         candidates = [w for w in ready if w.id not in self.failed_on] or ready
         cached = self._cached(tokens, candidates) if policy.uses_cache else None
         w = policy.choose(candidates, tokens, cached)
         assert w is not None
-        if commit:
-            policy.routed(w, tokens)
+        policy.routed(w, tokens)
         return w, (cached or {}).get(w.id)
 
     def _cached(self, tokens: list[int], workers: list[Worker]) -> Cached | None:
@@ -280,27 +278,12 @@ class Sequence:
     async def _attempt(self) -> AsyncIterator[None]:
         a = self._plan()
         self.obs.queued()
+        # The decode worker first: what its engine holds decides whether a handoff pays.
+        d, d_cached = await self._choose(Role.DECODE, self.decode_policy, a.ctx)
         self._ctx = a.ctx
-        d: Worker | None = None
-        d_cached: int | None = None
-        policy = self.decode_policy
-        if policy.uses_cache:  # what the decode engines hold decides whether a handoff pays
-            d, d_cached = await self._choose(Role.DECODE, policy, a.ctx, commit=False)
+        self.route.placed(len(a.ctx), d.id, d_cached)
         reason = self._local_reason(a, d_cached)
-        if reason and d is None:
-            d, d_cached = await self._choose(Role.DECODE, policy, a.ctx, commit=False)
-        if not (reason or d_cached):
-            # Kept only for what its cache holds: else the load at the handoff decides (the
-            # requests that arrive together would all see the same least-loaded worker now).
-            d = None
-        if d is not None:
-            policy.routed(d, a.ctx)
-        self.route.placed(len(a.ctx), d.id if d else "", d_cached if d else None)
-        if reason:
-            assert d is not None
-            steps = self._local(a, d, reason)
-        else:
-            steps = self._disaggregated(a, d)
+        steps = self._local(a, d, reason) if reason else self._disaggregated(a, d)
         async for _ in steps:
             yield
 
@@ -342,13 +325,10 @@ class Sequence:
                                    skip=a.replay):
             yield
 
-    async def _disaggregated(self, a: _Plan, d: Worker | None) -> AsyncIterator[None]:
-        """Prefill, stream (or hold) its token, hand the KV to a decode worker (`d` if chosen
-        already for its cache), relay it."""
+    async def _disaggregated(self, a: _Plan, d: Worker) -> AsyncIterator[None]:
+        """Prefill, stream (or hold) its token, hand the KV to decode worker `d`, relay it."""
         self.state = State.PREFILL
         self.route.path = "disaggregated"
-        if d is None:
-            await self._ready(Role.DECODE)  # else the prefill's blocks would wait for no one
         p, p_cached = await self._choose(Role.PREFILL, self.prefill_policy, a.ctx)
         self.route.prefill, self.route.prefill_cached = p.id, p_cached
         first, kv, leg = await self._prefill(p, a)
@@ -404,12 +384,12 @@ class Sequence:
         first = None if own_draw(self.params) else _merge([d for o in outs for d in o.seqs])
         return first, kv, leg
 
-    async def _handoff(self, a: _Plan, d: Worker | None, kv: dict, forced: list[int],
+    async def _handoff(self, a: _Plan, d: Worker, kv: dict, forced: list[int],
                        held: SeqDelta | None) -> AsyncIterator[None]:
-        """A decode worker (`d`, if chosen already and still there) pulls the KV, redraws
-        `forced` (dropped here) and decodes on."""
+        """Decode worker `d` (another, if it is gone meanwhile) pulls the KV, redraws `forced`
+        (dropped here) and decodes on."""
         self.state = State.HANDOFF
-        if d is None or d not in self.pool.registry.ready(Role.DECODE):
+        if d not in self.pool.registry.ready(Role.DECODE):
             d, cached = await self._choose(Role.DECODE, self.decode_policy, a.ctx)
             self.route.decode, self.route.decode_cached = d.id, cached
         # Without the prefill's own cache-hit count, vLLM reports on the decode side what it
