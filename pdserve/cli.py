@@ -1,4 +1,4 @@
-"""`pdserve` command line: serve | controller | worker | make-model | keygen | bench."""
+"""`pdserve` command line: serve | controller | worker | make-model | keygen | bench | plan."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ commands:
   make-model  write a deterministic random Llama + tokenizer (no hub needed)
   keygen      write CurveZMQ keys for the control plane
   bench       compare disaggregated and colocated serving on this machine
+  plan        recommend X:Y and placement settings from bench results (simulated)
 
 `pdserve COMMAND --help` describes each command's options.
 """
@@ -115,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
         from pdserve.bench.main import main as bench_main
 
         return bench_main(rest)
+    if cmd == "plan":
+        from pdserve.planner.plan import main as plan_main
+
+        return plan_main(rest)
     print(f"pdserve: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import hashlib
 import logging
+import math
 import random
 import struct
 import time
@@ -320,10 +321,20 @@ class FakeEngine:
                 plp = None
                 if done:
                     return
-                await asyncio.sleep(self.decode_delay)  # also lets aborts land
+                await self._next_step()  # also lets aborts land
         finally:
             self._active.pop(request_id, None)
             self._aborted.discard(request_id)
+
+    async def _next_step(self) -> None:
+        """Wait for the next decode step. As in an engine, one step advances every running
+        request, so the streams' tokens come out together (steps on a shared grid)."""
+        d = self.decode_delay
+        if d <= 0:
+            await asyncio.sleep(0)
+            return
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep((math.floor(loop.time() / d) + 1) * d - loop.time())
 
     async def abort(self, request_ids: list[str]) -> None:
         # As vLLM: aborting a finished prefill does not free its held blocks.

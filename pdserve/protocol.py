@@ -5,7 +5,7 @@ body (msgspec, never pickle: these frames cross hosts). Structs are array-like s
 not travel. A peer speaking another version is refused with a message naming both versions.
 
 Channels (one DEALER per worker per controller, one ROUTER per controller):
-  worker -> controller: Register, Heartbeat, Drain, Unregister, Output, KvEvents
+  worker -> controller: Register, Heartbeat, Drain, Unregister, Output, Outputs, KvEvents
   controller -> worker: RegisterAck, Generate, Abort, Ping, Leave, KvReplay
 
 Fields are only ever added at the end, with a default: a peer of the same version that predates
@@ -20,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: Outputs (an older controller would drop them)
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a 128k-token prompt is ~0.5 MB; anything near this is bogus
 
 
@@ -36,11 +36,14 @@ class VersionMismatch(ProtocolError):
 
 
 class Role(enum.IntEnum):
-    """A worker's role; PREFILL and DECODE also name the two sides of a request."""
+    """A worker's role; PREFILL and DECODE also name the two sides of a request. An AUTO
+    worker's engine can do both; each controller gives it a duty (PREFILL, DECODE or BOTH) and
+    changes it with the load (controller/planning.py)."""
 
     PREFILL = 1
     DECODE = 2
     BOTH = 3
+    AUTO = 4
 
     @property
     def label(self) -> str:
@@ -48,8 +51,8 @@ class Role(enum.IntEnum):
         return self.name.lower()
 
     def serves(self, side: Role) -> bool:
-        """Whether a worker of this role takes work on `side` (PREFILL or DECODE)."""
-        return self in (side, Role.BOTH)
+        """Whether a worker of this role (or duty) takes work on `side` (PREFILL or DECODE)."""
+        return self in (side, Role.BOTH, Role.AUTO)
 
 
 class Phase(enum.IntEnum):
@@ -89,6 +92,11 @@ class Load(_Msg):
     running: int = 0
     waiting: int = 0
     kv_usage: float = 0.0  # fraction of the engine's KV blocks in use
+    # Since the last heartbeat: the mean gap between a decoding stream's consecutive outputs
+    # (one engine step as the worker sees it; 0: no stream decoded), and the mean number of
+    # streams it was sending then (the controllers' cost models fit step time against it).
+    step_s: float = 0.0
+    step_running: float = 0.0
 
 
 class Register(_Msg):
@@ -224,6 +232,14 @@ class Output(_Msg):
 KV_READ_STATS = "pdserve_kv_read"
 
 
+class Outputs(_Msg):
+    """The Outputs a worker has for one controller at one moment, in one message: an engine
+    step yields a token for each of its streams, and one message per step instead of one per
+    stream divides the socket, CurveZMQ and decoding costs on both sides by the streams."""
+
+    outputs: list[Output]
+
+
 class ErrorKind(enum.IntEnum):
     NONE = 0
     INVALID = 1  # the engine refused the request (bad parameters): retrying elsewhere won't help
@@ -245,6 +261,7 @@ class MsgType(enum.IntEnum):
     LEAVE = 10
     KV_EVENTS = 11
     KV_REPLAY = 12
+    OUTPUTS = 13
 
 
 _TYPES: dict[MsgType, type[_Msg]] = {
@@ -260,6 +277,7 @@ _TYPES: dict[MsgType, type[_Msg]] = {
     MsgType.LEAVE: Leave,
     MsgType.KV_EVENTS: KvEvents,
     MsgType.KV_REPLAY: KvReplay,
+    MsgType.OUTPUTS: Outputs,
 }
 _TYPE_OF = {cls: t for t, cls in _TYPES.items()}
 _ENCODER = msgspec.msgpack.Encoder()
@@ -267,7 +285,7 @@ _DECODERS: dict[MsgType, msgspec.msgpack.Decoder[Any]] = {
     t: msgspec.msgpack.Decoder(cls) for t, cls in _TYPES.items()}
 
 Message = (Register | RegisterAck | Heartbeat | Drain | Unregister | Generate | Abort | Output
-           | Ping | Leave | KvEvents | KvReplay)
+           | Outputs | Ping | Leave | KvEvents | KvReplay)
 
 
 def encode(msg: _Msg) -> list[bytes]:

@@ -242,17 +242,22 @@ def test_parse_stat_handles_odd_command_names() -> None:
 
 
 def test_group_cpu_sums_each_group(tmp_path: Path) -> None:
-    def proc(pid: int, pgrp: int, ticks: int) -> None:
+    def proc(pid: int, pgrp: int, ticks: int, ppid: int = 1) -> None:
         d = tmp_path / str(pid)
         d.mkdir()
-        rest = ["S", "1", str(pgrp)] + ["0"] * 8 + [str(ticks), "0"] + ["0"] * 30
+        rest = ["S", str(ppid), str(pgrp)] + ["0"] * 8 + [str(ticks), "0"] + ["0"] * 30
         (d / "stat").write_text(f"{pid} (python3) " + " ".join(rest))
 
     proc(10, 10, procs.TICKS)
-    proc(11, 10, procs.TICKS * 2)
+    proc(11, 10, procs.TICKS * 2, ppid=10)
     proc(20, 20, procs.TICKS)
+    # An engine core in a group of its own below worker 11, and its own child.
+    proc(30, 30, procs.TICKS * 4, ppid=11)
+    proc(31, 30, procs.TICKS * 8, ppid=30)
     (tmp_path / "self").mkdir()
-    assert procs.group_cpu([10, 99], proc=tmp_path) == {10: pytest.approx(3.0), 99: 0.0}
+    assert procs.group_cpu([10, 99], proc=tmp_path) == {10: pytest.approx(15.0), 99: 0.0}
+    assert procs.group_cpu([10, 30], proc=tmp_path) == {10: pytest.approx(3.0),
+                                                        30: pytest.approx(12.0)}
     assert procs.group_pids(10, proc=tmp_path) == [10, 11]
 
 

@@ -5,6 +5,8 @@
 - colocated (N engines): the same controller with N workers of role `both` and a local-prefill
   threshold above any prompt, so each request runs whole on one engine with vLLM's chunked
   prefill, behind the same HTTP front end as P/D.
+- Nauto: N workers of role `auto`, each given a duty (prefill, decode or both) by the
+  controller's planner, which aims at the bench's SLO (planner_args).
 - vLLM's plain OpenAI server on one core (the controller-overhead baseline).
 Every child runs in its own process group and is stopped as a group (a worker's engine core,
 in a group of its own, stops with its worker: pdserve/worker/engine_proc.py).
@@ -15,6 +17,7 @@ from __future__ import annotations
 import abc
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -25,6 +28,7 @@ from pathlib import Path
 from typing import Self
 
 from pdserve import launcher
+from pdserve.bench.metrics import Slo
 from pdserve.net import free_port
 from pdserve.supervisor import Child, stop_children
 from pdserve.worker.engine import parse_cores
@@ -43,17 +47,19 @@ class Config:
     local_threshold: int | None = None
     decode_first: bool = False  # controller's --first-token decode
     routing: str = ""  # a ROUTING key: "" keeps the controller's defaults
+    auto: int = 0  # workers of role auto: the controller's planner gives each its duty
 
     @property
     def engines(self) -> int:
-        return self.prefill + self.decode + self.both
+        return self.prefill + self.decode + self.both + self.auto
 
     @property
     def colocated(self) -> bool:
         return self.both > 0
 
     def roles(self) -> list[str]:
-        return ["prefill"] * self.prefill + ["decode"] * self.decode + ["both"] * self.both
+        return (["prefill"] * self.prefill + ["decode"] * self.decode + ["both"] * self.both
+                + ["auto"] * self.auto)
 
 
 # How a configuration routes (issue 12's comparison): blind to the engines' caches, today's
@@ -68,10 +74,11 @@ ROUTING = {
 
 
 def parse_configs(spec: str) -> list[Config]:
-    """`1P1D,2P1D@0,1P1D@0:decode-first,colocated`: `@T` sets the controller's local-prefill
-    threshold (`@0`: every prompt goes through the KV handoff), `:decode-first` its
-    `--first-token decode`, `:blind`, `:prefix` or `:kv` its routing (ROUTING); `colocated` has as many engines as the largest XpYd listed (2 if
-    none); `colocatedN` sets N."""
+    """`1P1D,2P1D@0,1P1D@0:decode-first,colocated,2auto`: `@T` sets the controller's
+    local-prefill threshold (`@0`: every prompt goes through the KV handoff), `:decode-first` its
+    `--first-token decode`, `:blind`, `:prefix` or `:kv` its routing (ROUTING); `Nauto` is N
+    workers of role auto; `colocated` has as many engines as the largest XpYd or Nauto listed
+    (2 if none); `colocatedN` sets N."""
     names = [s.strip() for s in spec.split(",") if s.strip()]
     out: list[Config | str] = []
     for name in names:
@@ -86,15 +93,31 @@ def parse_configs(spec: str) -> list[Config]:
                      + (":decode-first" if m[4] else "") + (f":{routing}" if routing else ""))
             out.append(Config(label, prefill=x, decode=y, local_threshold=t,
                               decode_first=bool(m[4]), routing=routing))
+        elif m := re.fullmatch(r"(\d+)auto", name, re.IGNORECASE):
+            if int(m[1]) < 1:
+                raise ValueError(f"{name}: need at least one auto worker")
+            out.append(Config(f"{int(m[1])}auto", auto=int(m[1])))
         elif m := re.fullmatch(r"colocated(\d*)", name, re.IGNORECASE):
             out.append(m[1] or "colocated")
         else:
             raise ValueError(f"unknown configuration {name!r}: want "
                              "XpYd[@T][:decode-first][:blind|:prefix|:kv] (e.g. 1P1D, 1P1D@0, "
-                             "1P2D@256:kv) or colocated[N]")
+                             "1P2D@256:kv), Nauto (e.g. 2auto) or colocated[N]")
     n = max((c.engines for c in out if isinstance(c, Config)), default=2)
     return [c if isinstance(c, Config) else Config("colocated", both=int(c) if c != "colocated"
                                                    else n) for c in out]
+
+
+def planner_args(slo: Slo, profile: str | None = None, extra: str = "") -> list[str]:
+    """Controller arguments of an auto configuration: the bench's SLO as the planner's target
+    (so it aims at what the bench scores), the cost profile if one is given, then `extra`
+    (shell words, e.g. "--plan-interval 2")."""
+    targets = [f"{k}:{v:g}" for k, v in (("ttft", slo.ttft_ms), ("tpot", slo.tpot_ms))
+               if v is not None]
+    out = ["--slo", *targets] if targets else []
+    if profile:
+        out += ["--profile", profile]
+    return out + shlex.split(extra)
 
 
 def bench_env(tmp: Path) -> dict[str, str]:
@@ -161,15 +184,34 @@ class PdDeployment(Deployment):
 
     def __init__(self, cfg: Config, model: str, workdir: Path, *, keys: bool = True,
                  controller_args: list[str] | None = None, worker_args: list[str] | None = None,
-                 worker_cmd: WorkerCmd | None = None, cores: list[int] | None = None):
+                 worker_cmd: WorkerCmd | None = None, cores: list[int] | None = None,
+                 auto_args: list[str] | None = None):
         super().__init__(workdir / "logs" / cfg.name)
         self.all_cores = cores  # split between the workers (default: all of this process's)
         self.cfg, self.model, self.workdir = cfg, model, workdir
         self.keys = keys
         self.controller_args = list(controller_args or [])
         self.worker_args = list(worker_args or [])
+        self.auto_args = list(auto_args or [])  # planner_args(), for auto configurations only
         self.worker_cmd = worker_cmd
         self.cores: dict[str, str | None] = {}
+
+    def controller_command(self, port: int, wport: int, keydir: str | None) -> list[str]:
+        ctl = [sys.executable, "-m", "pdserve.cli", "controller", "--model", self.model,
+               "--host", "127.0.0.1", "--port", str(port), "--worker-host", "127.0.0.1",
+               "--worker-port", str(wport), "--disable-uvicorn-access-log"]
+        if self.cfg.colocated:
+            ctl += ["--local-prefill-threshold", str(ALL_LOCAL)]
+        elif self.cfg.local_threshold is not None:
+            ctl += ["--local-prefill-threshold", str(self.cfg.local_threshold)]
+        if self.cfg.decode_first:
+            ctl += ["--first-token", "decode"]
+        ctl += ROUTING.get(self.cfg.routing, [])
+        if self.cfg.auto:
+            ctl += self.auto_args
+        if keydir:
+            ctl += ["--keys", keydir]
+        return ctl + self.controller_args
 
     def start(self, timeout: float = 600.0) -> str:
         from pdserve.transport import keygen
@@ -183,19 +225,7 @@ class PdDeployment(Deployment):
             if not os.path.isdir(keydir):
                 keygen(keydir)
         port, wport = free_port(), free_port()
-        ctl = [sys.executable, "-m", "pdserve.cli", "controller", "--model", self.model,
-               "--host", "127.0.0.1", "--port", str(port), "--worker-host", "127.0.0.1",
-               "--worker-port", str(wport), "--disable-uvicorn-access-log"]
-        if self.cfg.colocated:
-            ctl += ["--local-prefill-threshold", str(ALL_LOCAL)]
-        elif self.cfg.local_threshold is not None:
-            ctl += ["--local-prefill-threshold", str(self.cfg.local_threshold)]
-        if self.cfg.decode_first:
-            ctl += ["--first-token", "decode"]
-        ctl += ROUTING.get(self.cfg.routing, [])
-        if keydir:
-            ctl += ["--keys", keydir]
-        self.spawn("controller", ctl + self.controller_args, env)
+        self.spawn("controller", self.controller_command(port, wport, keydir), env)
         controller = f"tcp://127.0.0.1:{wport}"
         roles = self.cfg.roles()
         available = self.all_cores or sorted(os.sched_getaffinity(0))

@@ -5,7 +5,8 @@
 - ChatLoad (multiturn, shared-prefix): a seeded plan of conversations (chats.py) that
   conversations.py sends, feeding replies back and recording cached prompt tokens.
 Both return the client's result in the shape metrics.records_from_vllm reads, with the class of
-each request.
+each request. A run follows one rate or, for a trace, a schedule (workload.Schedule): the same
+requests, retimed piecewise.
 """
 
 from __future__ import annotations
@@ -16,12 +17,15 @@ import json
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from pdserve.bench import chats, client, workload
 from pdserve.bench.metrics import Slo
+from pdserve.bench.workload import Pace, Schedule
 
 CLIENT_TIMEOUT = 3600.0  # seconds for one whole run
 
@@ -52,10 +56,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 class Sent:
     run: dict[str, Any]  # client.measured(): the client's "result", "duration", "cpu", ...
     labels: list[str]  # the class of each request, in the result's order
+    arrivals: list[float] = field(default_factory=list)  # each one's, where the load knows them
 
 
 class Load(abc.ABC):
     """A seeded workload and the client that sends it."""
+
+    schedules = False  # whether a run may follow a workload.Schedule
 
     @abc.abstractmethod
     def describe(self) -> str: ...
@@ -65,10 +72,11 @@ class Load(abc.ABC):
         """n requests at once, unmeasured."""
 
     @abc.abstractmethod
-    def measure(self, url: str, groups: dict[str, int], n: int, rate: float, seed: int,
+    def measure(self, url: str, groups: dict[str, int], n: int, pace: Pace, seed: int,
                 run: int, raw: Path, name: str, log: Path) -> Sent:
-        """n requests arriving at `rate`, with CPU and controller metrics measured meanwhile;
-        `run` keeps prompts (so cache entries) of different runs apart."""
+        """n requests arriving at `pace` (a rate, or a schedule, which sets n itself), with CPU
+        and controller metrics measured meanwhile; `run` keeps prompts (so cache entries) of
+        different runs apart."""
 
 
 @dataclass(frozen=True)
@@ -78,9 +86,17 @@ class TraceLoad(Load):
     model: str
     slo: Slo
     hash_seed: int  # PYTHONHASHSEED of vLLM's client: fixes the tokens of each hash id
+    burstiness: float = 1.0  # of a schedule's arrivals (make() draws a rate's itself)
+    schedules = True
 
     def describe(self) -> str:
         return self.what
+
+    def items(self, n: int, pace: Pace, seed: int) -> list[workload.Item]:
+        if not isinstance(pace, Schedule):
+            return self.make(n, pace, seed)
+        times = workload.piecewise_arrivals(pace, self.burstiness, np.random.default_rng(seed))
+        return workload.retime(self.make(len(times), pace.mean_rate, seed), times)
 
     def warm(self, url: str, n: int, seed: int, raw: Path, name: str, log: Path) -> None:
         items = self.make(n, float("inf"), seed)
@@ -89,14 +105,15 @@ class TraceLoad(Load):
                                            raw / f"{name}-warmup.json", self.slo), log,
                           self.hash_seed)
 
-    def measure(self, url: str, groups: dict[str, int], n: int, rate: float, seed: int,
+    def measure(self, url: str, groups: dict[str, int], n: int, pace: Pace, seed: int,
                 run: int, raw: Path, name: str, log: Path) -> Sent:
-        items = self.make(n, rate, seed)
-        trace = workload.write_trace(items, raw / f"trace-r{rate:g}.jsonl", run=run)
-        cr = client.ClientRun(url, self.model, trace, len(items), raw / f"{name}-r{rate:g}.json",
-                              self.slo, label=f"{name}-r{rate:g}")
+        items = self.items(n, pace, seed)
+        tag = workload.run_tag(pace)
+        trace = workload.write_trace(items, raw / f"trace-{tag}.jsonl", run=run)
+        cr = client.ClientRun(url, self.model, trace, len(items), raw / f"{name}-{tag}.json",
+                              self.slo, label=f"{name}-{tag}")
         return Sent(client.run_measured(cr, groups, log, self.hash_seed),
-                    [it.cls for it in items])
+                    [it.cls for it in items], [it.arrival for it in items])
 
 
 @dataclass(frozen=True)
@@ -113,8 +130,10 @@ class ChatLoad(Load):
         plan = chats.Plan(self.token_seed, 99, tuple(chats.warmup_chats(self.spec, n, seed)))
         self._go(url, plan, raw / f"{name}-warmup-plan.json", raw / f"{name}-warmup.json", log)
 
-    def measure(self, url: str, groups: dict[str, int], n: int, rate: float, seed: int,
+    def measure(self, url: str, groups: dict[str, int], n: int, pace: Pace, seed: int,
                 run: int, raw: Path, name: str, log: Path) -> Sent:
+        assert not isinstance(pace, Schedule), "conversations follow one rate (schedules=False)"
+        rate = pace
         convs = chats.make_chats(self.spec, n, rate, self.burstiness, seed)
         plan = chats.Plan(self.token_seed, run, tuple(convs))
         path, result = raw / f"plan-r{rate:g}.json", raw / f"{name}-r{rate:g}.json"
@@ -158,7 +177,7 @@ def from_args(args: argparse.Namespace, model: str, slo: Slo) -> Load:
     if args.mix or args.workload not in chats.KINDS:
         classes = classes_from(args)
         return TraceLoad(lambda n, r, s: workload.make_workload(classes, n, r, b, s),
-                         workload.describe(classes), model, slo, args.seed)
+                         workload.describe(classes), model, slo, args.seed, b)
     spec = chat_spec(args)
     limit = _max_positions(model)
     if limit and spec.max_context > limit:
@@ -169,7 +188,7 @@ def from_args(args: argparse.Namespace, model: str, slo: Slo) -> Load:
     if spec.kind == "multiturn":
         raise ValueError("multiturn needs --client pdserve: a timed trace cannot feed replies back")
     return TraceLoad(lambda n, r, s: chats.as_items(chats.make_chats(spec, n, r, b, s)),
-                     chats.describe(spec), model, slo, args.seed)
+                     chats.describe(spec), model, slo, args.seed, b)
 
 
 def _max_positions(model: str) -> int | None:

@@ -9,6 +9,8 @@
 - Prefix cache (when the client records usage.prompt_tokens_details.cached_tokens, as
   conversations.py does): prompt tokens computed = prompt tokens - cached tokens, summed over
   the completed requests; hit rate = cached / prompt tokens.
+- Segments of a schedule run (workload.Schedule): its requests split by when they were sent,
+  counted from the run's t = 0 (clock_zero); each segment's goodput is over its own seconds.
 Percentiles are numpy's linear interpolation, as in vLLM.
 """
 
@@ -19,6 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from pdserve.bench.workload import Schedule
 
 PERCENTILES = (50, 90, 99)
 METRICS = ("ttft", "tpot", "itl", "e2e")
@@ -181,3 +185,33 @@ def summarize_by_class(records: Sequence[Record], duration: float,
                        slo: Slo) -> dict[str, dict[str, Any]]:
     names = sorted({r.cls for r in records if r.cls})
     return {c: summarize([r for r in records if r.cls == c], duration, slo) for c in names}
+
+
+def clock_zero(starts: Sequence[float], arrivals: Sequence[float]) -> float | None:
+    """The run's t = 0 on the client's clock: no request is sent before its arrival time, so it
+    is the least of (sent - arrival); None when the arrival times are not known."""
+    if not starts or len(starts) != len(arrivals):
+        return None
+    return min(s - a for s, a in zip(starts, arrivals))
+
+
+def split_by_start(records: Sequence[Record], zero: float,
+                   starts: Sequence[float]) -> list[list[Record]]:
+    """Records by the segment they were sent in: segment i from starts[i] to starts[i + 1]
+    (seconds after `zero`); the last one takes every later request."""
+    out: list[list[Record]] = [[] for _ in starts]
+    for r in records:
+        t = r.start - zero
+        i = max((k for k, s in enumerate(starts) if t >= s), default=0)
+        out[i].append(r)
+    return out
+
+
+def summarize_segments(records: Sequence[Record], zero: float, schedule: Schedule,
+                       slo: Slo) -> list[dict[str, Any]]:
+    """summarize() for each segment of a schedule run, goodput over the segment's seconds."""
+    starts = schedule.starts()
+    parts = split_by_start(records, zero, starts)
+    return [{"rate": seg.rate, "start_s": start, "seconds": seg.seconds,
+             "summary": summarize(recs, seg.seconds, slo)}
+            for recs, start, seg in zip(parts, starts, schedule.segments)]

@@ -26,17 +26,31 @@ def parse_stat(text: str) -> tuple[int, int, float]:
     return pid, int(rest[2]), (int(rest[11]) + int(rest[12])) / TICKS
 
 
+def _ppid(text: str) -> int:
+    return int(text[text.rindex(")") + 2:].split()[1])
+
+
 def group_cpu(pgids: Iterable[int], proc: Path = Path("/proc")) -> dict[int, float]:
-    """CPU seconds used so far by the live processes of each process group."""
+    """CPU seconds used so far by the live processes of each process group, and of the groups
+    its processes started below them: a worker's engine core leads a group of its own
+    (worker/engine_proc.py) and is counted with its worker."""
     wanted = set(pgids)
     totals = dict.fromkeys(wanted, 0.0)
+    stats: dict[int, tuple[int, int, float]] = {}  # pid -> (ppid, pgrp, cpu)
     for entry in proc.iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            _, pgrp, cpu = parse_stat((entry / "stat").read_text())
+            text = (entry / "stat").read_text()
+            pid, pgrp, cpu = parse_stat(text)
+            stats[pid] = (_ppid(text), pgrp, cpu)
         except (OSError, ValueError, IndexError):
             continue  # exited while we looked
+    for pid, (ppid, pgrp, cpu) in stats.items():
+        seen = 0
+        while pgrp not in wanted and ppid in stats and seen < 64:  # the nearest wanted ancestor
+            ppid, pgrp, _ = stats[ppid]
+            seen += 1
         if pgrp in wanted:
             totals[pgrp] += cpu
     return totals

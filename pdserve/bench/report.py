@@ -2,7 +2,9 @@
 
 `results` is the JSON-able dict main.py builds: {"meta": {...}, "configs": {name: {"idle_cpu":
 {...}, "runs": [{"rate": r, "summary": {...}, "by_class": {...}, ...}]}}}. Plots also need the
-per-request records, keyed by (configuration, rate).
+per-request records, keyed by (configuration, rate). A schedule run also has "schedule" (its
+label, shown where a rate would be), "segments" (per-segment summaries) and, in an auto
+configuration, "duties" (duties.summary()).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from pdserve.bench import duties
 from pdserve.bench.metrics import METRICS, Record, samples
 from pdserve.controller.phases import PHASES
 
@@ -30,6 +33,11 @@ def fmt_trio(d: Mapping[str, float]) -> str:
     return " / ".join(fmt_ms(d[k]) for k in ("p50", "p90", "p99"))
 
 
+def rate_label(run: Mapping[str, Any]) -> str:
+    """A run's rate, or its schedule (RATE:SECONDS,...)."""
+    return str(run.get("schedule") or f"{run['rate']:g}")
+
+
 def latency_table(results: Mapping[str, Any]) -> list[str]:
     head = ("| configuration | rate (req/s) | done / failed | TTFT p50 / p90 / p99 (ms) "
             "| TPOT p50 / p90 / p99 (ms) | ITL p50 / p90 / p99 (ms) | E2E p50 / p90 / p99 (ms) "
@@ -39,7 +47,7 @@ def latency_table(results: Mapping[str, Any]) -> list[str]:
         for run in cfg["runs"]:
             s = run["summary"]
             lines.append(
-                f"| {name} | {run['rate']:g} | {s['completed']} / {s['failed']} "
+                f"| {name} | {rate_label(run)} | {s['completed']} / {s['failed']} "
                 + "".join(f"| {fmt_trio(s[m])} " for m in METRICS)
                 + f"| {s['request_throughput']:.2f}, {s['output_throughput']:.0f} "
                 f"| {s['goodput']:.2f} | {s['slo_attainment']:.0%} | {_others(run)} |")
@@ -56,7 +64,7 @@ def pause_table(results: Mapping[str, Any]) -> list[str]:
             if not p:
                 continue
             lines.append(
-                f"| {name} | {run['rate']:g} | {fmt_ms(p['itl_p99.9_ms'])} "
+                f"| {name} | {rate_label(run)} | {fmt_ms(p['itl_p99.9_ms'])} "
                 f"| {fmt_ms(p['itl_max_ms'])} | {p['gaps_paused']:.2%} "
                 f"| {p['requests_paused']:.0%} | {fmt_ms(p['worst_gap_p90_ms'])} "
                 f"| {fmt_ms(p['later_itl_p99.9_ms'])} / {fmt_ms(p['later_itl_max_ms'])} |")
@@ -82,7 +90,7 @@ def cache_table(results: Mapping[str, Any]) -> list[str]:
             if computed is None:
                 computed = c["computed_tokens"]
             lines.append(
-                f"| {name} | {run['rate']:g} | {c['requests']} | {c['prompt_tokens']:,} "
+                f"| {name} | {rate_label(run)} | {c['requests']} | {c['prompt_tokens']:,} "
                 f"| {c['cached_tokens']:,} | {int(computed):,} | {c['hit_rate']:.0%} "
                 f"| {fmt_ms(s['ttft']['p50'])} / {fmt_ms(s['ttft']['p99'])} "
                 f"| {fmt_ms(s['tpot']['p50'])} / {fmt_ms(s['tpot']['p99'])} | {s['goodput']:.2f} "
@@ -109,7 +117,7 @@ def class_table(results: Mapping[str, Any]) -> list[str]:
         for run in cfg["runs"]:
             for cls, s in run.get("by_class", {}).items():
                 lines.append(
-                    f"| {name} | {run['rate']:g} | {cls} | {s['requests']} "
+                    f"| {name} | {rate_label(run)} | {cls} | {s['requests']} "
                     f"| {fmt_ms(s['ttft']['p50'])} / {fmt_ms(s['ttft']['p99'])} "
                     f"| {fmt_ms(s['tpot']['p50'])} / {fmt_ms(s['tpot']['p99'])} "
                     f"| {fmt_ms(s['itl']['p99'])} | {s['slo_attainment']:.0%} |")
@@ -128,7 +136,7 @@ def idle_table(results: Mapping[str, Any]) -> list[str]:
         for proc in procs:
             core = cfg.get("cores", {}).get(proc) or "-"
             cells = [f"{d[proc]['core_pct']:.1f}" if proc in d else "-" for d in (idle, after)]
-            load = ", ".join(f"{r['rate']:g}: {r['cpu'][proc]['core_pct']:.0f}"
+            load = ", ".join(f"{rate_label(r)}: {r['cpu'][proc]['core_pct']:.0f}"
                              for r in cfg["runs"] if proc in r.get("cpu", {}))
             lines.append(f"| {name} | {proc} | {core} | {cells[0]} | {cells[1]} | {load} |")
     return lines
@@ -145,7 +153,7 @@ def phase_table(results: Mapping[str, Any]) -> list[str]:
             cells = [fmt_ms(c.get(f"{k}_mean_ms")) for k in
                      ("queue_time", "prefill_time", "kv_handoff", "time_to_first_token")]
             local = int(c.get("pdserve_local_prefills_total", 0))
-            lines.append(f"| {name} | {run['rate']:g} | " + " | ".join(cells) + f" | {local} |")
+            lines.append(f"| {name} | {rate_label(run)} | " + " | ".join(cells) + f" | {local} |")
     return lines
 
 
@@ -160,9 +168,32 @@ def handoff_table(results: Mapping[str, Any]) -> list[str]:
             if not any(f"handoff_{p}_mean_ms" in c for p in PHASES):
                 continue
             rows += 1
-            lines.append(f"| {name} | {run['rate']:g} | " + " | ".join(
+            lines.append(f"| {name} | {rate_label(run)} | " + " | ".join(
                 fmt_ms(c.get(f"handoff_{p}_mean_ms")) for p in PHASES) + " |")
     return lines if rows else []
+
+
+def segment_table(results: Mapping[str, Any]) -> list[str]:
+    """Schedule runs segment by segment, then whole, configuration by configuration: the same
+    trace, so the rows of one segment compare the configurations."""
+    lines = [("| configuration | segment (s) | rate (req/s) | requests | TTFT p50 / p99 (ms) "
+              "| TPOT p50 / p99 (ms) | goodput (req/s) | SLO met |"), "|" + "---|" * 8]
+    for name, cfg in results["configs"].items():
+        for run in cfg["runs"]:
+            for seg in run.get("segments") or []:
+                span = f"{seg['start_s']:g}-{seg['start_s'] + seg['seconds']:g}"
+                lines.append(_segment_row(name, span, f"{seg['rate']:g}", seg["summary"]))
+            if run.get("segments"):
+                lines.append(_segment_row(name, "whole run", f"{run['rate']:.2f} (mean)",
+                                          run["summary"]))
+    return lines
+
+
+def _segment_row(name: str, span: str, rate: str, s: Mapping[str, Any]) -> str:
+    return (f"| {name} | {span} | {rate} | {s['requests']} "
+            f"| {fmt_ms(s['ttft']['p50'])} / {fmt_ms(s['ttft']['p99'])} "
+            f"| {fmt_ms(s['tpot']['p50'])} / {fmt_ms(s['tpot']['p99'])} "
+            f"| {s['goodput']:.2f} | {s['slo_attainment']:.0%} |")
 
 
 def best_run(cfg: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -185,7 +216,7 @@ def comparison(results: Mapping[str, Any], baseline: str = "colocated") -> list[
             continue
         g, bg = best["summary"]["goodput"], base["summary"]["goodput"]
         i, bi = best["summary"]["itl"]["p99"], base["summary"]["itl"]["p99"]
-        lines.append(f"| {name} | {best['rate']:g} | {g:.2f} | {_ratio(g, bg)} | {fmt_ms(i)} "
+        lines.append(f"| {name} | {rate_label(best)} | {g:.2f} | {_ratio(g, bg)} | {fmt_ms(i)} "
                      f"| {_ratio(i, bi)} |")
     return lines
 
@@ -199,10 +230,19 @@ def _ratio(a: float | None, b: float | None) -> str:
 def markdown(results: Mapping[str, Any]) -> str:
     meta = results.get("meta", {})
     out = ["# pdserve bench", ""]
-    for key in ("command", "model", "workload", "slo", "burstiness", "date", "machine"):
+    for key in ("command", "model", "workload", "slo", "schedule", "burstiness", "date",
+                "machine"):
         if key in meta:
             out.append(f"- {key}: `{meta[key]}`")
     out += ["", "## Latency, throughput and goodput", "", *latency_table(results)]
+    if any(run.get("segments") for c in results["configs"].values() for run in c["runs"]):
+        out += ["", f"## By segment of the schedule {meta.get('schedule', '')}".rstrip()
+                + " (requests by when they were sent; goodput over each segment's seconds)",
+                "", *segment_table(results)]
+    duty = [line for name, c in results["configs"].items() for run in c["runs"]
+            if run.get("duties") for line in duties.markdown(f"{name} at {rate_label(run)}", run)]
+    if duty:
+        out += ["", "## Duties of the auto workers (polled about once a second)", *duty]
     if any(run["summary"].get("cache") for c in results["configs"].values()
            for run in c["runs"]):
         out += ["", "## Prefix cache (computed = prompt tokens - cached tokens)", "",

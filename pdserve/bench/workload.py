@@ -7,6 +7,9 @@ item's timestamp. Hash ids are unique per item and per run, so no prompt hits a 
 except an item's shared prefix (`prefix`, `prefix_len`): every item with the same `prefix` starts
 with the same hash ids, which vLLM's client turns into the same tokens (it seeds each 16-token
 chunk from its hash id and length, and caches it for the run; PYTHONHASHSEED is fixed).
+
+A run's arrivals follow one rate, or a `Schedule` (`--rates 1:60,6:60,2:60`): one run whose rate
+changes at the segments' boundaries, each segment with its own count of arrivals.
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ from __future__ import annotations
 import json
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TypeAlias
 
 import numpy as np
 
@@ -101,6 +105,124 @@ def arrivals(n: int, rate: float, burstiness: float, rng: np.random.Generator) -
     times = np.cumsum(gaps)
     times *= (n / rate) / times[-1]
     return [float(t) for t in times]
+
+
+@dataclass(frozen=True)
+class Segment:
+    rate: float  # req/s; 0 leaves the pool idle for `seconds`
+    seconds: float
+
+    @property
+    def count(self) -> int:
+        return round(self.rate * self.seconds)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """One run whose arrival rate changes: its segments, back to back from t = 0."""
+
+    segments: tuple[Segment, ...]
+
+    @property
+    def seconds(self) -> float:
+        return sum(s.seconds for s in self.segments)
+
+    @property
+    def count(self) -> int:
+        return sum(s.count for s in self.segments)
+
+    @property
+    def mean_rate(self) -> float:
+        return self.count / self.seconds
+
+    def starts(self) -> list[float]:
+        """Each segment's start, in seconds after the run's t = 0."""
+        return [sum(s.seconds for s in self.segments[:i]) for i in range(len(self.segments))]
+
+    def label(self) -> str:
+        return ",".join(f"{s.rate:g}:{s.seconds:g}" for s in self.segments)
+
+
+Pace: TypeAlias = float | Schedule  # what one run's arrivals follow
+
+
+def mean_rate(pace: Pace) -> float:
+    """A run's rate: a schedule's requests over its seconds."""
+    return pace.mean_rate if isinstance(pace, Schedule) else pace
+
+
+def run_tag(pace: Pace) -> str:
+    """A run's part of its files' names: `r4` for 4 req/s, `s1x60-6x60` for a schedule."""
+    if isinstance(pace, Schedule):
+        return "s" + "-".join(f"{s.rate:g}x{s.seconds:g}" for s in pace.segments)
+    return f"r{pace:g}"
+
+
+def parse_rates(spec: str) -> list[float] | Schedule:
+    """`1,2,4`: separate runs at those rates; `1:60,6:60,2:60`: one run of RATE:SECONDS segments.
+    ValueError naming the part that is wrong."""
+    parts = [p.strip() for p in spec.split(",") if p.strip()]
+    if not parts:
+        raise ValueError("no rates given: want e.g. 1,2,4 or a schedule 1:60,6:60,2:60")
+    timed = [":" in p for p in parts]
+    if any(timed) and not all(timed):
+        raise ValueError(f"{spec!r} mixes plain rates and RATE:SECONDS segments: give rates "
+                         "(separate runs, e.g. 1,2,4) or a schedule (one run, e.g. 1:60,6:60)")
+    if not any(timed):
+        return [_plain_rate(p) for p in parts]
+    schedule = Schedule(tuple(_segment(p) for p in parts))
+    if schedule.count == 0:
+        raise ValueError(f"schedule {spec!r} sends no request (rate x seconds rounds to 0)")
+    return schedule
+
+
+def _plain_rate(part: str) -> float:
+    try:
+        rate = float(part)
+    except ValueError:
+        rate = math.nan
+    if not rate > 0:
+        raise ValueError(f"bad rate {part!r}: want a number of requests per second above 0")
+    return rate
+
+
+def _segment(part: str) -> Segment:
+    rate_s, _, seconds_s = part.partition(":")
+    try:
+        rate, seconds = float(rate_s), float(seconds_s)
+    except ValueError:
+        rate = seconds = math.nan
+    if not (0 <= rate < math.inf and 0 < seconds < math.inf):
+        raise ValueError(f"bad schedule segment {part!r}: want RATE:SECONDS, e.g. 6:60 "
+                         "(rate >= 0 req/s, seconds > 0)")
+    return Segment(rate, seconds)
+
+
+def piecewise_arrivals(schedule: Schedule, burstiness: float,
+                       rng: np.random.Generator) -> list[float]:
+    """Each segment's `count` arrivals, strictly inside it, with gamma gaps (shape=burstiness)
+    as arrivals() draws them. One gap more than arrivals is drawn and the sum scaled to the
+    segment's length: the last gap is the one crossing into the next segment, so every segment
+    keeps its count and rate (for Poisson, its arrivals are uniform given the count)."""
+    if burstiness <= 0:
+        raise ValueError("burstiness must be positive")
+    out: list[float] = []
+    for start, seg in zip(schedule.starts(), schedule.segments):
+        if seg.count == 0:
+            continue
+        if math.isinf(burstiness):
+            gaps = np.ones(seg.count + 1)
+        else:
+            gaps = rng.gamma(shape=burstiness, scale=1.0, size=seg.count + 1)
+        times = np.cumsum(gaps) * (seg.seconds / gaps.sum())
+        out += [start + float(t) for t in times[:-1]]
+    return out
+
+
+def retime(items: list[Item], times: list[float]) -> list[Item]:
+    """The same requests at other arrival times (what they send does not depend on when)."""
+    assert len(items) == len(times), "one arrival per item"
+    return [replace(it, arrival=t) for it, t in zip(items, times)]
 
 
 def make_workload(classes: tuple[RequestClass, ...], n: int, rate: float, burstiness: float,

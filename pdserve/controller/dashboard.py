@@ -73,7 +73,7 @@ td.reason{text-align:left;max-width:48rem;font-size:.85rem}
 <h2>Workers</h2>
 <table id="workers"><thead><tr><th class="l">id</th><th class="l">role</th><th class="l">state</th>
 <th class="l">address</th><th>running</th><th>waiting</th><th>in flight</th><th class="l">KV usage</th>
-<th>heartbeat age (s)</th></tr></thead><tbody></tbody></table>
+<th>heartbeat age (s)</th><th class="l">cost model</th></tr></thead><tbody></tbody></table>
 <h2>Requests, last <span id="window"></span> s</h2>
 <table id="latency"><thead><tr><th class="l">metric</th><th>p50</th><th>p90</th><th>p99</th></tr></thead>
 <tbody></tbody></table>
@@ -241,11 +241,13 @@ async function refresh(){
     for(const w of workers){
       const key=w.role+" "+w.state; counts[key]=(counts[key]||0)+1;
       const tr=document.createElement("tr"); tr.dataset.role=w.role; tr.dataset.state=w.state;
-      cell(tr,w.id,"l"); cell(tr,w.role,"l"); cell(tr,w.state,"l "+w.state); cell(tr,w.address+":"+w.kv_port,"l");
+      cell(tr,w.id,"l"); cell(tr,w.duty&&w.duty!==w.role ? w.role+" \u2192 "+w.duty : w.role,"l"); cell(tr,w.state,"l "+w.state); cell(tr,w.address+":"+w.kv_port,"l");
       cell(tr,w.running); cell(tr,w.waiting); cell(tr,w.inflight);
       const kv=cell(tr,"","l"); const bar=document.createElement("span"); bar.className="bar"; bar.style.width=Math.round(w.kv_usage*100)+"px";
       kv.appendChild(bar); kv.appendChild(document.createTextNode(" "+(w.kv_usage*100).toFixed(1)+"%"));
-      cell(tr,w.heartbeat_age_s.toFixed(1)); tb.appendChild(tr);
+      cell(tr,w.heartbeat_age_s.toFixed(1));
+      const c=w.costs; cell(tr, c ? `step ${c.decode.step_base_ms.toFixed(1)} + ${c.decode.per_running_ms.toFixed(2)}/stream ms, prefill ${c.prefill.per_1k_tokens_ms.toFixed(0)} ms/1k (${c.decode.samples}+${c.prefill.samples} samples)` : "-", "l");
+      tb.appendChild(tr);
     }
     const sum=document.getElementById("summary"); sum.textContent="";
     for(const k of Object.keys(counts).sort()){ const s=document.createElement("span"); s.className="count"; s.dataset.key=k; s.textContent=k+": "+counts[k]; sum.appendChild(s); }

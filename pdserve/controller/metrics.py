@@ -10,17 +10,22 @@ produced it; prompt tokens are counted once per request, never per engine.
 
 from __future__ import annotations
 
+import bisect
 import re
 import sys
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from pdserve.controller.registry import Registry, WorkerState
+
+if TYPE_CHECKING:
+    from pdserve.controller.planning import Planning
 
 _LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
             10.0, 20.0, 40.0, 80.0)
@@ -49,9 +54,13 @@ class Metrics:
         self.ttft = Histogram("pdserve_time_to_first_token_seconds",
                               "Request arrival at the controller to its first output token",
                               buckets=_LATENCY, registry=r)
-        self.itl = Histogram("pdserve_inter_token_latency_seconds",
-                             "Gap between consecutive output tokens, as streamed by the controller",
-                             buckets=_TOKEN, registry=r)
+        # Observed per token: kept by the event loop without prometheus_client's locks.
+        self.itl = LoopHistogram("pdserve_inter_token_latency_seconds",
+                                 "Gap between consecutive output tokens, as streamed by the "
+                                 "controller", _TOKEN)
+        self.generation_tokens = LoopCounter("pdserve_generation_tokens",
+                                             "Output tokens streamed to clients")
+        r.register(_LoopCollector((self.itl, self.generation_tokens)))
         self.tpot = Histogram("pdserve_time_per_output_token_seconds",
                               "Per request: (last token - first token) / (output tokens - 1)",
                               buckets=_TOKEN, registry=r)
@@ -107,17 +116,27 @@ class Metrics:
                             registry=r)
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens of requests "
                                      "(counted once per request)", registry=r)
-        self.generation_tokens = Counter("pdserve_generation_tokens",
-                                         "Output tokens streamed to clients", registry=r)
         # Recent finished requests for the dashboard: (end time, outcome, ttft, tpot, e2e).
         self.recent: deque[tuple[float, str, float | None, float | None, float]] = deque(
             maxlen=RECENT)
         self.recent_failures: deque[Failure] = deque(maxlen=RECENT_FAILURES)
         self.pool: Registry | None = None  # set by watch_pool: names failures' workers
+        self.role_changes = Counter("pdserve_role_changes", "Duty changes of auto workers by "
+                                    "the role planner, by why", ["why"], registry=r)
+        self.planning: Planning | None = None  # set by watch_planning: fed the load it sees
 
     def timeline(self, prompt_tokens: int) -> Timeline:
         self.prompt_tokens.inc(prompt_tokens)
+        if self.planning is not None:
+            self.planning.arrived(prompt_tokens)
         return Timeline(self)
+
+    def watch_planning(self, planning: Planning) -> None:
+        """Feed `planning` the load this controller sees; count its changes; export its desired
+        workers per role at scrape time."""
+        self.planning = planning
+        planning.on_change = lambda w, old, new, why: self.role_changes.labels(why).inc()
+        self.registry.register(_PlanningCollector(planning))
 
     def rejected_no_worker(self, role: str) -> None:
         self.no_worker.labels(role).inc()
@@ -187,6 +206,8 @@ class Timeline:
         now = self.m.clock()
         if self.prefill_start is not None:
             self.m.prefill.observe(now - self.prefill_start)
+            if self.m.planning is not None and self.worker is not None:
+                self.m.planning.prefilled(self.worker, n_tokens, now - self.prefill_start)
         self.prefill_end = now
         self.awaiting_decode = True
 
@@ -199,6 +220,8 @@ class Timeline:
         self.worker = worker_id
         if self.awaiting_decode and self.prefill_end is not None:
             self.m.handoff.observe(self.m.clock() - self.prefill_end)
+            if self.m.planning is not None:
+                self.m.planning.handed_over(worker_id, self.m.clock() - self.prefill_end)
         self.awaiting_decode = False
 
     def tokens(self, n: int) -> None:
@@ -265,6 +288,65 @@ class Timeline:
             self.m.tpot.observe(tpot)
         ttft = None if self.first is None else self.first - self.start
         self.m.recent.append((time.time(), outcome, ttft, tpot, e2e))
+        if self.m.planning is not None and outcome == "completed":
+            self.m.planning.finished(self.n_tokens)
+
+
+class LoopHistogram:
+    """A histogram for observations made on the event loop only, once per streamed token:
+    no lock and no label lookup (prometheus_client's Histogram costs ~2 us an observation);
+    exported at scrape time as an ordinary Prometheus histogram."""
+
+    def __init__(self, name: str, doc: str, buckets: tuple[float, ...]):
+        self.name, self.doc, self.bounds = name, doc, buckets
+        self.counts = [0] * (len(buckets) + 1)  # the last: above every bound (+Inf)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def family(self) -> HistogramMetricFamily:
+        cumulative, acc = [], 0
+        for bound, n in zip((*map(floatToGoString, self.bounds), "+Inf"), self.counts):
+            acc += n
+            cumulative.append((bound, acc))
+        return HistogramMetricFamily(self.name, self.doc, buckets=cumulative, sum_value=self.sum)
+
+
+class LoopCounter:
+    """A counter incremented on the event loop only (see LoopHistogram)."""
+
+    def __init__(self, name: str, doc: str):
+        self.name, self.doc, self.value = name, doc, 0
+
+    def inc(self, n: int = 1) -> None:
+        self.value += n
+
+    def family(self) -> CounterMetricFamily:
+        return CounterMetricFamily(self.name, self.doc, value=self.value)
+
+
+class _LoopCollector:
+    def __init__(self, metrics: tuple[LoopHistogram | LoopCounter, ...]):
+        self.metrics = metrics
+
+    def collect(self):
+        for m in self.metrics:
+            yield m.family()
+
+
+class _PlanningCollector:
+    def __init__(self, planning: Planning):
+        self.planning = planning
+
+    def collect(self):
+        desired = GaugeMetricFamily("pdserve_planner_desired_workers", "Workers of each role "
+                                    "the role planner's model says the demand it sees needs "
+                                    "(the autoscaling signal)", labels=["role"])
+        for role, n in self.planning.desired.items():
+            desired.add_metric([role], n)
+        yield desired
 
 
 class _PoolCollector:

@@ -239,15 +239,12 @@ class Pool:
     def _dispatch(self, identity: bytes, msg: protocol.Message) -> None:
         if not isinstance(msg, protocol.Register):  # a Register starts a new entry instead
             self._heard(identity)
+        if isinstance(msg, protocol.Outputs):
+            for out in msg.outputs:
+                self._on_output(identity, out)
+            return
         if isinstance(msg, protocol.Output):
-            leg = self.legs.get(msg.request_id)
-            if leg is not None and leg.worker.identity == identity:
-                leg.outputs += msg.error is None
-                leg.queue.put_nowait(msg)
-                if msg.finished:
-                    self.finish(leg)
-            elif leg is None and msg.finished and msg.kv_transfer_params:
-                self._release_orphan(identity, msg)
+            self._on_output(identity, msg)
             return
         if isinstance(msg, protocol.KvEvents):
             if self._from(identity, msg.worker_id):
@@ -283,6 +280,16 @@ class Pool:
         else:
             self.dropped_messages += 1
             logger.warning("dropped a %s: not a worker message", type(msg).__name__)
+
+    def _on_output(self, identity: bytes, msg: protocol.Output) -> None:
+        leg = self.legs.get(msg.request_id)
+        if leg is not None and leg.worker.identity == identity:
+            leg.outputs += msg.error is None
+            leg.queue.put_nowait(msg)
+            if msg.finished:
+                self.finish(leg)
+        elif leg is None and msg.finished and msg.kv_transfer_params:
+            self._release_orphan(identity, msg)
 
     def _from(self, identity: bytes, worker_id: str) -> bool:
         """A worker may only speak for itself (its ZMQ identity is its worker id)."""

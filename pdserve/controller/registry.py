@@ -55,9 +55,21 @@ class Worker:
     pid: int = 0
     kv_events: bool = False  # its engine's prefix-cache events reach the pool's KV index
     kv_block_bytes: int = 0  # bytes of one KV block (0: unknown)
+    # What it is given: its role, or for an AUTO worker what the planner assigned (it starts as
+    # BOTH, serving requests whole, which is right for a worker alone).
+    duty: Role = Role.BOTH
+    costs: dict | None = None  # its cost model's snapshot (controller/planning.py), for display
+
+    def __post_init__(self) -> None:
+        if not self.auto:
+            self.duty = self.role
+
+    @property
+    def auto(self) -> bool:
+        return self.role == Role.AUTO
 
     def serves(self, side: Role) -> bool:
-        return self.role.serves(side)
+        return self.duty.serves(side)
 
     def score(self) -> float:
         """Load as seen from here: the engine's last report plus what we sent since."""
@@ -79,6 +91,8 @@ class Worker:
             "inflight": self.inflight,
             "legs_total": self.legs_total,
             "pid": self.pid,
+            "duty": self.duty.label,
+            **({"costs": self.costs} if self.costs is not None else {}),
         }
 
 
@@ -118,6 +132,8 @@ class Registry:
                         kv_events=msg.kv_events, kv_block_bytes=msg.kv_block_bytes)
         if old is not None and old.state != WorkerState.DEAD and old.identity == identity:
             worker.inflight = old.inflight  # same connection registering again: keep our count
+        if old is not None and old.auto and worker.auto:
+            worker.duty = old.duty  # the planner's assignment stands
         self.workers[msg.worker_id] = worker
         return worker, "replaced" if old is not None else ""
 

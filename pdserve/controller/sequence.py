@@ -282,7 +282,7 @@ class Sequence:
         d, d_cached = await self._choose(Role.DECODE, self.decode_policy, a.ctx)
         self._ctx = a.ctx
         self.route.placed(len(a.ctx), d.id, d_cached)
-        reason = self._local_reason(a, d_cached)
+        reason = self._local_reason(a, d, d_cached)
         steps = self._local(a, d, reason) if reason else self._disaggregated(a, d)
         async for _ in steps:
             yield
@@ -301,13 +301,16 @@ class Sequence:
                      min_left=max(0, (self.params.min_tokens or 0) - keep),
                      want_plp=bool(self.params.prompt_logprobs) and first_attempt)
 
-    def _local_reason(self, a: _Plan, d_cached: int | None) -> str:
+    def _local_reason(self, a: _Plan, d: Worker, d_cached: int | None) -> str:
         """Why the decode worker should prefill this context itself ("" if it should not):
-        the context is short, or its engine holds all but a short part of it."""
+        it is an auto worker whose duty is both (it serves requests whole), the context is
+        short, or its engine holds all but a short part of it."""
         # A seeded request's local prefill may be chunked, which kills a CPU engine (module
         # docstring): it is disaggregated whenever a prefill worker can take it.
         if own_draw(self.params) and self.pool.registry.ready(Role.PREFILL):
             return ""
+        if d.auto and d.duty == Role.BOTH:
+            return "auto"
         if len(a.ctx) < self.s.local_prefill_threshold:
             return "short"
         if d_cached and len(a.ctx) - d_cached < self.s.skip_handoff_below:

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import signal
 import sys
+from pathlib import Path
 
 from fastapi.responses import HTMLResponse, JSONResponse
 
@@ -20,6 +21,7 @@ from pdserve.controller.admission import limits
 from pdserve.controller.client import PDController
 from pdserve.controller.history import History
 from pdserve.controller.metrics import Metrics
+from pdserve.controller.planning import Planning
 from pdserve.controller.pool import Pool
 from pdserve.controller.receipts import header as receipt_header
 from pdserve.controller.receipts import open_receipt
@@ -27,6 +29,9 @@ from pdserve.controller.router import DECODE_POLICIES, PREFILL_POLICIES
 from pdserve.controller.sequence import Settings
 from pdserve.errors import Refused
 from pdserve.models import BUILTIN_MODEL_NAME, resolve_model
+from pdserve.planner.capacity import Slo
+from pdserve.planner.costmodel import Profile
+from pdserve.planner.roles import RolePlanner
 from pdserve.worker.engine import expected_info
 
 logger = logging.getLogger("pdserve.controller")
@@ -72,6 +77,18 @@ def add_pd_args(parser) -> None:
                    help="prefill: stream the prefill worker's first token at once (lowest TTFT); "
                         "decode: send it with the decode worker's first output (TTFT includes "
                         "the KV handoff; no handoff pause inside the stream)")
+    g.add_argument("--slo", nargs="+", default=["ttft:2000", "tpot:50"], metavar="NAME:MS",
+                   help="the role planner's SLO for `--role auto` workers: ttft:MS tpot:MS")
+    g.add_argument("--profile", default=None,
+                   help="cost profile (JSON, as `pdserve plan --save-profile` writes) that "
+                        "seeds the planner's cost model (default: the bench preset's on one "
+                        "core)")
+    g.add_argument("--plan-interval", type=float, default=5.0,
+                   help="seconds between the role planner's decisions")
+    g.add_argument("--plan-hold", type=float, default=30.0,
+                   help="seconds a better split must stay better before a duty changes")
+    g.add_argument("--plan-cooldown", type=float, default=60.0,
+                   help="seconds between two duty changes")
     g.add_argument("--heartbeat-interval", type=float, default=1.0)
     g.add_argument("--missed-heartbeats", type=int, default=3,
                    help="a worker silent for this many intervals is suspect: it gets no new "
@@ -149,6 +166,14 @@ def settings_from(args) -> Settings:
                     token_timeout=args.token_timeout, max_retries=args.max_retries,
                     first_token=args.first_token, max_inflight=max_inflight,
                     max_queued=max_queued)
+
+
+def planning_from(args, pool: Pool) -> Planning:
+    """The role planner for this controller's `--role auto` workers (idle without them)."""
+    profile = Profile.from_json(Path(args.profile).read_text()) if args.profile else Profile()
+    planner = RolePlanner(Slo.parse(args.slo), hold_seconds=args.plan_hold, cooldown_seconds=args.plan_cooldown,
+                          handoff_in_ttft=args.first_token == "decode")
+    return Planning(pool.registry, planner, profile, interval=args.plan_interval)
 
 
 def controller_config(args):
@@ -268,6 +293,9 @@ async def serve(args: argparse.Namespace) -> None:
     pool.start()
     sampler = asyncio.create_task(history.run())
     controller = PDController(vllm_config, pool, settings_from(args), metrics)
+    planning = planning_from(args, pool)
+    metrics.watch_planning(planning)
+    planner_task = asyncio.create_task(planning.run(pool.changed))
     logger.info("pdserve controller %s: workers register at %s%s", pool.id, pool.address,
                 " (CurveZMQ)" if keys else "")
 
@@ -294,6 +322,7 @@ async def serve(args: argparse.Namespace) -> None:
         await shutdown_task
     finally:
         sampler.cancel()
+        planner_task.cancel()
         controller.shutdown()
         await pool.close()
         sock.close()

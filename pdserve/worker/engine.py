@@ -17,7 +17,8 @@ from pdserve import protocol
 from pdserve.protocol import EngineInfo, Load, Role
 from pdserve.worker.kv_events import KvEventSource, ZmqKvEvents, endpoints, events_config
 
-KV_ROLES = {Role.PREFILL: "kv_producer", Role.DECODE: "kv_consumer", Role.BOTH: "kv_both"}
+KV_ROLES = {Role.PREFILL: "kv_producer", Role.DECODE: "kv_consumer", Role.BOTH: "kv_both",
+            Role.AUTO: "kv_both"}
 CPU_CONNECTOR = "PDCpuNixlConnector"
 CPU_CONNECTOR_MODULE = "pdserve.kv.cpu_nixl"
 # SamplingParams.extra_args key naming the tokens a leg must draw first (worker/first_token.py)

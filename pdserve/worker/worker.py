@@ -46,7 +46,7 @@ from vllm.exceptions import VLLMClientError
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from pdserve import protocol, transport
-from pdserve.protocol import ErrorKind, Output, Phase, Role, SeqDelta, TokenLogprob
+from pdserve.protocol import ErrorKind, Output, Outputs, Phase, Role, SeqDelta, TokenLogprob
 from pdserve.worker.discovery import Discovery, siblings
 from pdserve.worker.engine import FORCED_TOKENS_ARG, Engine, decode_params
 
@@ -55,6 +55,28 @@ logger = logging.getLogger(__name__)
 # A controller silent for its dead_after is gone, but never sooner than this many of its heartbeat
 # intervals (tests make it larger: a loaded test machine stalls for seconds).
 MISSED_ACKS_BEFORE_LOST = 3
+MAX_BATCH = 256  # outputs in one Outputs message
+
+
+class _Steps:
+    """Decode steps seen since the last heartbeat: the gaps between a stream's outputs, and how
+    many streams were running then (what the controllers' cost models fit step time on)."""
+
+    __slots__ = ("gaps", "n", "streams")
+
+    def __init__(self) -> None:
+        self.gaps, self.n, self.streams = 0.0, 0, 0
+
+    def add(self, gap: float, streams: int) -> None:
+        self.gaps += gap
+        self.n += 1
+        self.streams += streams
+
+    def take(self) -> tuple[float, float]:
+        """(mean gap, mean streams), (0, 0) when none; then start again."""
+        out = (self.gaps / self.n, self.streams / self.n) if self.n else (0.0, 0.0)
+        self.gaps, self.n, self.streams = 0.0, 0, 0
+        return out
 
 
 @dataclass
@@ -71,6 +93,35 @@ class _Link:
     dead_after: float = 0.0  # the controller's, from its acks
     siblings: tuple[int, ...] = ()  # worker ports of the API servers beside it, from its acks
     retiring: bool = False  # gone from the controller set: finishing its legs, then closed
+    # Outputs made during this turn of the event loop, sent together at its end (see flush).
+    pending: list[Output] = field(default_factory=list)
+
+    def send(self, msg: protocol._Msg) -> None:
+        """Send now, after the outputs made before it (the controller must see a leg's outputs
+        before, say, the Unregister that fails it). Raises zmq.Again as send_nowait does."""
+        self.flush()
+        transport.send_nowait(self.sock, msg)
+
+    def queue(self, out: Output) -> None:
+        """Send `out` with every other output made in this turn of the event loop: all the
+        streams an engine step advanced wake in the same turn, so they go as one message."""
+        if not self.pending:
+            asyncio.get_running_loop().call_soon(self.flush)
+        self.pending.append(out)
+        if len(self.pending) >= MAX_BATCH or out.prompt_logprobs is not None:
+            self.flush()  # bounds a message: prompt logprobs can be megabytes alone
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        outs, self.pending = self.pending, []
+        try:
+            transport.send_nowait(self.sock, outs[0] if len(outs) == 1 else Outputs(outs))
+        except zmq.Again:
+            logger.warning("controller %s unreachable: dropped the outputs of %s", self.url,
+                           ", ".join(sorted({o.request_id for o in outs})))
+        except zmq.ZMQError as e:  # closed under us: its controller left
+            logger.info("link to %s closed: dropped %d outputs (%s)", self.url, len(outs), e)
 
     def gone(self, now: float, stall: float = 0.0) -> bool:
         """Silent for too long, not counting `stall` (this process's own, see the loop)."""
@@ -106,6 +157,7 @@ class PDWorker:
             self._found.add(url)
             self._open(url)
         self.tasks: dict[tuple[int, str], asyncio.Task] = {}  # by (link id, request id)
+        self._steps = _Steps()
         # Decode legs whose task has not started: aborted now, their engine would never see
         # them, so the prefill worker's blocks must be released from here.
         self.unstarted: dict[tuple[int, str], dict] = {}
@@ -185,7 +237,7 @@ class PDWorker:
         # Never wait: a DEALER whose controller is gone would block a send forever.
         for link in self.links.values():
             try:
-                transport.send_nowait(link.sock, msg)
+                link.send(msg)
             except zmq.Again:
                 logger.warning("controller %s unreachable: %s not sent", link.url,
                                type(msg).__name__)
@@ -233,7 +285,7 @@ class PDWorker:
         logger.info("controller %s left the set: finishing its %d requests, then leaving it",
                     link.url, running)
         try:
-            transport.send_nowait(link.sock, protocol.Drain(self.worker_id))
+            link.send(protocol.Drain(self.worker_id))
         except zmq.Again:
             pass
 
@@ -244,9 +296,10 @@ class PDWorker:
             loop.cancel()
         if link.registered:
             try:
-                transport.send_nowait(link.sock, protocol.Unregister(self.worker_id, reason))
+                link.send(protocol.Unregister(self.worker_id, reason))
             except zmq.Again:
                 pass
+        link.flush()
         link.sock.close(linger=500)  # the unregister still goes out
         logger.info("closed the link to controller %s: %s", link.url, reason)
 
@@ -267,7 +320,7 @@ class PDWorker:
         for link in self.links.values():
             if link.registered:
                 try:
-                    transport.send_nowait(link.sock, msg)
+                    link.send(msg)
                 except zmq.Again:
                     pass  # the controller sees the gap and asks for a replay
 
@@ -285,7 +338,7 @@ class PDWorker:
             if link is None or not link.registered:
                 return
             try:
-                transport.send_nowait(link.sock, protocol.KvEvents(self.worker_id, seq,
+                link.send(protocol.KvEvents(self.worker_id, seq,
                                                                    msgspec.Raw(payload)))
             except zmq.Again:
                 return
@@ -309,6 +362,7 @@ class PDWorker:
                 return
             now = time.monotonic()
             stall, beat = max(0.0, now - beat - self.heartbeat_interval), now
+            load = self._load()
             for i, link in list(self.links.items()):
                 if link.refused:
                     continue
@@ -323,15 +377,21 @@ class PDWorker:
                     continue
                 msg: protocol.Heartbeat | protocol.Register
                 if link.registered:
-                    msg = protocol.Heartbeat(self.worker_id, self.engine.load(),
+                    msg = protocol.Heartbeat(self.worker_id, load,
                                              self.draining or link.retiring)
                 else:
                     msg = self._register_msg()
                 try:
-                    transport.send_nowait(link.sock, msg)
+                    link.send(msg)
                 except zmq.Again:
                     pass  # not connected yet; the next beat tries again
             await asyncio.sleep(self.heartbeat_interval)
+
+    def _load(self) -> protocol.Load:
+        """The engine's load, with the decode steps seen since the last heartbeat."""
+        load = self.engine.load()
+        load.step_s, load.step_running = self._steps.take()
+        return load
 
     async def _recv_loop(self, i: int) -> None:
         link = self.links[i]
@@ -438,13 +498,8 @@ class PDWorker:
 
     def _reply(self, i: int, out: Output) -> None:
         link = self.links.get(i)
-        if link is None:
-            return  # closed: its controller left, and aborted what it had here
-        try:
-            transport.send_nowait(link.sock, out)
-        except zmq.Again:
-            logger.warning("controller %s unreachable: dropped output of %s", link.url,
-                           out.request_id)
+        if link is not None:  # else closed: its controller left, and aborted what it had here
+            link.queue(out)
 
     async def _serve(self, i: int, msg: protocol.Generate, received: float) -> None:
         rid = msg.request_id
@@ -456,12 +511,17 @@ class PDWorker:
                 await self.engine.release(rid, msg.kv_transfer_params or {})
                 return
             finished, first = False, msg.phase == Phase.DECODE
+            last = 0.0  # when this leg's previous output came out (0: none yet)
             async for ro in self.engine.generate(rid, msg.prompt_token_ids, params):
                 out = to_output(ro)
                 if first:
                     out.timings, first = handoff_times(received, ro), False
                 self._reply(i, out)
                 finished = ro.finished
+                now = time.monotonic()
+                if last:  # a decode step of this stream
+                    self._steps.add(now - last, len(self.tasks))
+                last = now
             if not finished:  # never forwarded as a whole answer
                 raise RuntimeError("the engine's stream ended before the request finished")
         except asyncio.CancelledError:

@@ -170,3 +170,26 @@ def test_suspicions_are_counted_by_outcome_and_suspects_by_state(m, clock):
     assert value(m, "pdserve_pool_workers", {"role": "decode", "state": "dead"}) == 1
     assert value(m, "pdserve_worker_suspicions_total", {"outcome": "cleared"}) == 1
     assert value(m, "pdserve_worker_suspicions_total", {"outcome": "dead"}) == 1
+
+
+def test_loop_histogram_exports_what_prometheus_histogram_would():
+    from prometheus_client import CollectorRegistry, Histogram
+    from prometheus_client.exposition import generate_latest
+
+    from pdserve.controller.metrics import LoopHistogram, _LoopCollector
+
+    bounds = (0.001, 0.01, 0.1)
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    h = LoopHistogram("x_seconds", "doc", bounds)
+    ours.register(_LoopCollector((h,)))
+    ref = Histogram("x_seconds", "doc", buckets=bounds, registry=theirs)
+    for v in (0.0005, 0.001, 0.002, 0.01, 0.05, 0.1, 0.5, 7.0):  # on the bounds too
+        h.observe(v)
+        ref.observe(v)
+
+    def lines(reg):
+        return sorted(ln for ln in generate_latest(reg).decode().splitlines()
+                      if ln.startswith("x_seconds") and "_created" not in ln)
+
+    assert lines(ours) == lines(theirs)
+    assert ours.get_sample_value("x_seconds_bucket", {"le": "0.01"}) == 4

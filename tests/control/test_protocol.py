@@ -45,6 +45,9 @@ MESSAGES = [
                     finished=True, num_cached_tokens=32, kv_transfer_params={"k": 1},
                     prompt_logprobs=[None, [TokenLogprob(2, -0.1)]], error="boom",
                     error_kind=ErrorKind.ENGINE),
+    protocol.Outputs([protocol.Output("r1", [SeqDelta(0, " a", [7])]),
+                      protocol.Output("r2", [], finished=True, error="gone",
+                                      error_kind=ErrorKind.DEAD)]),
 ]
 
 
@@ -147,7 +150,8 @@ def test_roles():
     assert Role.PREFILL.serves(Role.PREFILL) and not Role.PREFILL.serves(Role.DECODE)
     assert Role.DECODE.serves(Role.DECODE) and not Role.DECODE.serves(Role.PREFILL)
     assert Role.BOTH.serves(Role.PREFILL) and Role.BOTH.serves(Role.DECODE)
-    assert [r.label for r in Role] == ["prefill", "decode", "both"]
+    assert Role.AUTO.serves(Role.PREFILL) and Role.AUTO.serves(Role.DECODE)  # its engine can
+    assert [r.label for r in Role] == ["prefill", "decode", "both", "auto"]
 
 
 def test_engine_info_mismatches_name_the_field_and_both_values():

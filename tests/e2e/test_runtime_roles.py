@@ -1,0 +1,93 @@
+"""`--role auto` with real engines: the controller's role planner turns two colocated auto workers
+into 1P1D while a long stream runs on one of them; the stream finishes whole and equal to one
+plain engine, later requests follow the new duties, and no KV block is left in use."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+import pytest
+from procs import Proc, free_port, get_json, pdserve, ready_workers, wait_for
+from test_openai import complete, prompt_ids
+
+LONG = 3000  # output tokens: the stream must outlast two planner holds (1.5 s each)
+
+
+@pytest.fixture(scope="module")
+def auto_pool(model_dir, logs, keys):
+    port, wport = free_port(), free_port()
+    ctl = Proc("controller-auto", pdserve(
+        "controller", "--model", model_dir, "--host", "127.0.0.1", "--port", str(port),
+        "--worker-port", str(wport), "--keys", keys, "--heartbeat-interval", "0.5",
+        "--plan-interval", "0.25", "--plan-hold", "1.5", "--plan-cooldown", "0"), logs)
+    workers = [Proc(f"auto-{i}", pdserve(
+        "worker", "--role", "auto", "--worker-id", f"auto-{i}", "--controller",
+        f"tcp://127.0.0.1:{wport}", "--keys", keys, "--model", model_dir, "--advertise-host",
+        "127.0.0.1", "--heartbeat-interval", "0.5", "--cores", str(i)), logs) for i in (0, 1)]
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: len(ready_workers(base)) == 2, 400, "two auto workers", [ctl, *workers])
+        yield base, ctl
+    finally:
+        for w in workers:
+            w.stop()
+        ctl.stop()
+
+
+def long_completion(client, model: str, prompt: list[int]) -> list[int]:
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=LONG, temperature=0,
+                                  extra_body={"return_token_ids": True, "ignore_eos": True})
+    return r.choices[0].token_ids
+
+
+def duties(base: str) -> dict[str, str]:
+    return {w["id"]: w["duty"] for w in get_json(base + "/pd/workers")}
+
+
+def test_a_stream_finishes_whole_across_its_workers_duty_change(auto_pool, ref_client,
+                                                                 model_dir):
+    import openai
+
+    base, ctl = auto_pool
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none", timeout=300, max_retries=0)
+    seen: list[dict[str, str]] = []  # the duties, polled while the stream runs
+    done = threading.Event()
+
+    def poll() -> None:
+        while not done.is_set():
+            seen.append(duties(base))
+            time.sleep(0.1)
+
+    prompt = prompt_ids(200, 9700)
+    assert set(duties(base).values()) == {"both"}  # as they start: each serves requests whole
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        ours = long_completion(client, model_dir, prompt)
+    finally:
+        done.set()
+        poller.join()
+    assert ours == long_completion(ref_client, model_dir, prompt)
+    assert len(ours) == LONG
+    [host] = re.findall(r"request \S+: local \(auto\) decode=(\S+)", ctl.log())
+    # The worker that carried the stream had its duty changed while it ran.
+    assert seen[0][host] == "both" and seen[-1][host] != "both", seen[:: max(1, len(seen) // 8)]
+    wait_for(lambda: sorted(duties(base).values()) == ["decode", "prefill"], 30, "1P1D")
+    # Later requests follow the new duties, and equal one engine still.
+    prompt = prompt_ids(300, 9701)
+    ours, _ = complete(client, model_dir, prompt, max_tokens=16, temperature=0)
+    assert ours == complete(ref_client, model_dir, prompt, max_tokens=16, temperature=0)[0]
+    assert re.findall(r"request \S+: (local|disaggregated)", ctl.log())[-1] == "disaggregated"
+    # Nothing left in use on either engine once their next heartbeats report.
+    wait_for(lambda: all(w["kv_usage"] == 0 and w["running"] == 0
+                         for w in get_json(base + "/pd/workers")), 20, "engines idle")
+    assert 'pdserve_role_changes_total{why="steadier"} 2.0' in _metrics(base)
+
+
+def _metrics(base: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(base + "/metrics", timeout=5) as r:
+        return r.read().decode()
