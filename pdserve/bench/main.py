@@ -92,6 +92,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--idle-seconds", type=float, default=20.0,
                    help="idle CPU is measured over this long once a configuration is ready")
     p.add_argument("--warmup", type=int, default=4, help="warm-up requests per configuration")
+    p.add_argument("--settle", type=float, default=0.0,
+                   help="seconds of load at each rate before it is measured (not counted), so "
+                        "that an adaptive pool has taken its duties for that rate; every "
+                        "configuration gets the same")
     p.add_argument("--no-keys", action="store_true", help="control plane without CurveZMQ")
     p.add_argument("--quiet-below", type=float, default=15.0,
                    help="before each measurement, wait until the machine uses at most this %% "
@@ -197,6 +201,10 @@ def measure_run(cfg: cluster.Config, index: int, pace: Pace, url: str, groups: d
     an auto configuration's duties are polled meanwhile."""
     name, n, rate, what = cfg.name, prompts_for(pace, args), workload.mean_rate(pace), _what(pace)
     raw = out / "raw"
+    if args.settle > 0 and not isinstance(pace, Schedule):
+        logger.info("%s at %s: %.0f s at this rate first, not measured", name, what, args.settle)
+        load.measure(url, groups, max(1, round(rate * args.settle)), pace, args.seed + 7919 + index,
+                     index + 1000, raw, f"{name}-settle", out / "logs" / name / "client.log")
     for attempt in range(args.retries + 1):
         waited = quiet(args)
         logger.info("%s at %s: %d requests", name, what, n)

@@ -30,7 +30,7 @@ from pdserve.protocol import Load, Role
 
 logger = logging.getLogger(__name__)
 
-HALF_LIFE_S = 20.0  # of the demand signals: a shift shows within a minute, a burst does not
+HALF_LIFE_S = 10.0  # of the demand signals: a shift shows within ~30 s; the hold rides out bursts
 # Output tokens per request assumed until a request has finished here (a chat answer's order of
 # size: the handoff's share of TPOT, predicted per output token, depends on it).
 PRIOR_OUTPUT_TOKENS = 128.0
