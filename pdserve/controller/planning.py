@@ -88,10 +88,12 @@ class Planning:
             del self.models[gone]
             self._seen.pop(gone, None)
         self._observe_steps(workers)
-        if not any(w.auto for w in workers):
-            return None
         view = PoolView(tuple(PoolWorker(w.id, w.duty.label, w.auto, w.load.running)
                               for w in workers), self.demand(), self.pooled)
+        # The autoscaling signal, whatever the roles: fixed-role pools scale on it too.
+        self.desired = {r: self.planner.desired_workers(r, view) for r in ROLES}
+        if not any(w.auto for w in workers):
+            return None
         d = self.last = self.planner.decide(self.memory, view, now)
         self.memory = d.memory
         for c in d.changes:
@@ -101,7 +103,6 @@ class Planning:
             w.duty = Role[c.new.upper()]
             logger.info("worker %s: duty %s -> %s (%s: %s)", w.id, c.old, c.new, c.why, c.detail)
             self.on_change(w, c.old, c.new, c.why)
-        self.desired = {r: self.planner.desired_workers(r, view) for r in ROLES}
         return d
 
     def demand(self) -> Demand:

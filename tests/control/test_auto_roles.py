@@ -122,6 +122,9 @@ async def test_a_fixed_role_worker_is_never_reassigned(cluster):
     p = planning(cluster, clock)
     assert p.tick() is None  # no auto worker: nothing to plan
     assert sorted(duties(cluster).values()) == ["decode", "prefill"]
+    # The autoscaling signal is there all the same.
+    assert cluster.controller.metrics.registry.get_sample_value(
+        "pdserve_planner_desired_workers", {"role": "decode"}) >= 1
 
 
 async def test_workers_report_their_decode_steps_and_the_cost_model_shows_them(cluster):
