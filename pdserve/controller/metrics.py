@@ -184,6 +184,7 @@ class Timeline:
         self.chosen = False
         self.prefill_start: float | None = None
         self.prefill_end: float | None = None
+        self.prefill_alone = False
         self.awaiting_decode = False
         self.failures = 0
         self.finished = False
@@ -197,16 +198,21 @@ class Timeline:
             self.chosen = True
             self.m.queue.observe(self.m.clock() - self.start)
 
-    def prefill_started(self, worker_id: str) -> None:
+    def prefill_started(self, worker_id: str, alone: bool = False) -> None:
+        """`alone`: nothing ahead of it on the worker, so its time is the engine's own (the
+        role planner's cost model learns from those only: a queue's time would read as a slow
+        engine, and the planner would move workers away from a prefill side that is merely
+        busy)."""
         self._chosen()
         self.worker = worker_id
         self.prefill_start = self.m.clock()
+        self.prefill_alone = alone
 
     def prefill_done(self, n_tokens: int) -> None:
         now = self.m.clock()
         if self.prefill_start is not None:
             self.m.prefill.observe(now - self.prefill_start)
-            if self.m.planning is not None and self.worker is not None:
+            if self.m.planning is not None and self.worker is not None and self.prefill_alone:
                 self.m.planning.prefilled(self.worker, n_tokens, now - self.prefill_start)
         self.prefill_end = now
         self.awaiting_decode = True

@@ -134,10 +134,12 @@ class Planning:
             self._out = self._out.update(out / ends, now, HALF_LIFE_S)
 
     def _observe_steps(self, workers: list[Worker]) -> None:
+        # Decode-only workers: a worker that also prefills has those stalls in its gaps, which
+        # the capacity model charges apart (colocated prefill interference).
         for w in workers:
             load = w.load
-            if self._seen.get(w.id) is load or load.step_s <= 0:
-                continue  # no new heartbeat, or no decode step in it
+            if w.duty != Role.DECODE or self._seen.get(w.id) is load or load.step_s <= 0:
+                continue  # not a decoder, no new heartbeat, or no decode step in it
             self._seen[w.id] = load
             kv_tokens = 0  # not reported as tokens; the fit's KV term stays at its seed
             self.pooled.observe_step(round(load.step_running), kv_tokens, load.step_s)

@@ -365,7 +365,8 @@ class Sequence:
                        ) -> tuple[SeqDelta | None, dict | None, Leg]:
         """The prompt's KV on `p`; returns the token it drew (None when the decode worker draws
         the first token itself), the KV-transfer parameters naming the blocks, and the leg."""
-        self.obs.prefill_started(p.id)
+        # A prefill with nothing ahead of it on its worker times the engine, not a queue.
+        self.obs.prefill_started(p.id, alone=not (p.inflight or p.load.running or p.load.waiting))
         if own_draw(self.params):
             params, forced = kv_only_params(self.params, prompt_logprobs=a.want_plp), []
         else:
@@ -380,7 +381,7 @@ class Sequence:
         if a.want_plp:
             self.stream.set_prompt_logprobs(next((o.prompt_logprobs for o in outs
                                                   if o.prompt_logprobs is not None), None))
-        self.obs.prefill_done(len(a.ctx))
+        self.obs.prefill_done(len(a.ctx) - self.route.prefill_hit)
         if kv is not None:
             self.pending_kv = (kv, p)
             self._check_kv(kv, p)
@@ -606,7 +607,7 @@ class Observer(Protocol):
 
     def queued(self) -> None: ...
     def local(self, worker_id: str) -> None: ...
-    def prefill_started(self, worker_id: str) -> None: ...
+    def prefill_started(self, worker_id: str, alone: bool = False) -> None: ...
     def prefill_done(self, n_tokens: int) -> None: ...
     def decode_started(self, worker_id: str) -> None: ...
     def tokens(self, n: int) -> None: ...
@@ -622,7 +623,7 @@ class _NoObserver:
     def local(self, worker_id: str) -> None:
         pass
 
-    def prefill_started(self, worker_id: str) -> None:
+    def prefill_started(self, worker_id: str, alone: bool = False) -> None:
         pass
 
     def prefill_done(self, n_tokens: int) -> None:

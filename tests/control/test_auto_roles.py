@@ -130,12 +130,39 @@ async def test_a_fixed_role_worker_is_never_reassigned(cluster):
 async def test_workers_report_their_decode_steps_and_the_cost_model_shows_them(cluster):
     clock = Clock()
     a, = await cluster.add("auto", 1, decode_delay=0.02)
+    cluster.pool.registry.workers[a.worker_id].duty = Role.DECODE
+    await cluster.add("prefill")
     p = planning(cluster, clock)
     await cluster.run(PROMPT, greedy(30))
     w = cluster.pool.registry.workers[a.worker_id]
     await wait_until(lambda: w.load.step_s > 0, what="a heartbeat with decode steps")
     assert 0.015 < w.load.step_s < 0.2 and w.load.step_running >= 1
     p.tick()
-    snap = cluster.pool.registry.snapshot()[0]
-    assert snap["role"] == "auto" and snap["duty"] == "both"
+    snap = next(x for x in cluster.pool.registry.snapshot() if x["id"] == a.worker_id)
+    assert snap["role"] == "auto" and snap["duty"] == "decode"
     assert snap["costs"]["decode"]["samples"] >= 1
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.prefills: list[tuple[str, int, float]] = []
+
+    def arrived(self, n: int) -> None: ...
+
+    def prefilled(self, worker: str, tokens: int, seconds: float) -> None:
+        self.prefills.append((worker, tokens, seconds))
+
+
+def test_only_a_prefill_alone_on_its_worker_teaches_the_cost_model():
+    from pdserve.controller.metrics import Metrics
+
+    clock = Clock()
+    m = Metrics(clock=clock)
+    m.planning = Recorder()  # type: ignore[assignment]
+    for alone in (False, True):
+        t = m.timeline(100)
+        t.prefill_started("p1", alone=alone)
+        clock.t += 0.05
+        t.prefill_done(90)
+    [(worker, tokens, seconds)] = m.planning.prefills  # type: ignore[attr-defined]
+    assert (worker, tokens) == ("p1", 90) and abs(seconds - 0.05) < 1e-9
