@@ -41,11 +41,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-vllm", action="store_true", help="measure pdserve only")
     p.add_argument("--out", default=None, help="default: bench-results/handoff-<timestamp>")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--start-timeout", type=float, default=600.0)
-    p.add_argument("--quiet-below", type=float, default=30.0,
-                   help="before each measurement, wait until the machine uses at most this %% "
-                        "of one core")
-    p.add_argument("--quiet-timeout", type=float, default=1800.0)
+    procs.add_start_and_quiet_args(p)
     return p
 
 

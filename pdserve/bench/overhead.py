@@ -63,11 +63,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--c-rounds", type=int, default=2,
                    help="(c) each server once per round, the order reversed every other round")
     p.add_argument("--no-keys", action="store_true", help="(a) control plane without CurveZMQ")
-    p.add_argument("--start-timeout", type=float, default=600.0)
-    p.add_argument("--quiet-below", type=float, default=30.0,
-                   help="before each measurement, wait until the machine uses at most this %% "
-                        "of one core")
-    p.add_argument("--quiet-timeout", type=float, default=1800.0)
+    procs.add_start_and_quiet_args(p)
     return p
 
 

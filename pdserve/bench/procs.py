@@ -103,6 +103,15 @@ class CpuMeter:
                        "core_pct": round(100.0 * u / wall, 2)} for name, u in used.items()}
 
 
+def add_start_and_quiet_args(p, quiet_timeout: float = 1800.0) -> None:
+    """The flags every benchmark that starts servers and waits for a quiet machine shares."""
+    p.add_argument("--start-timeout", type=float, default=600.0)
+    p.add_argument("--quiet-below", type=float, default=30.0,
+                   help="before each measurement, wait until the machine uses at most this %% "
+                        "of one core")
+    p.add_argument("--quiet-timeout", type=float, default=quiet_timeout)
+
+
 def wait_quiet(max_core_pct: float, timeout: float, window: float = 3.0) -> float:
     """Wait until the whole machine uses at most `max_core_pct` of one core over `window`
     seconds (others' jobs share these cores); return the seconds waited (timeout: give up)."""
