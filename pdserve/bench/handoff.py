@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -46,7 +45,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def p50(xs: list[float]) -> float | None:
-    return 1e3 * statistics.median(xs) if xs else None
+    return metrics.percentiles(xs, (50,))["p50"] if xs else None
 
 
 def p99(xs: list[float]) -> float | None:
