@@ -78,7 +78,8 @@ def wait_for(predicate, timeout: float, what: str, procs: list[Proc] = ()) -> No
         except OSError:
             pass
         time.sleep(0.3)
-    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+    tails = "".join(f"\n--- {p.name} (last lines) ---\n{p.log()[-3000:]}" for p in procs)
+    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}{tails}")
 
 
 def ready_workers(base: str, role: str | None = None) -> list[dict]:
