@@ -22,7 +22,7 @@ from pdserve.controller.admission import Admission, Ticket
 from pdserve.controller.metrics import Metrics
 from pdserve.controller.pool import Pool
 from pdserve.controller.router import make_policy
-from pdserve.controller.sequence import Sequence, Settings, State
+from pdserve.controller.sequence import Placer, Sequence, Settings, State
 from pdserve.controller.stream import Stream
 from pdserve.errors import Refused, ShuttingDown
 from pdserve.protocol import Role
@@ -50,6 +50,8 @@ class PDController(EngineClient):
                                    self.settings.queue_timeout)
         self.metrics.watch_admission(self.admission)
         self.active: dict[str, list[Sequence]] = {}
+        # With placement "slo": the controller's Planning (server.py), which places requests.
+        self.placer: Placer | None = None
         self._closing = False  # shutting down: new requests are refused, streams finish
         # Called on the event loop as the shutdown begins: the server stops accepting
         # connections, so new ones go to the other API servers on the port (server.py).
@@ -64,8 +66,9 @@ class PDController(EngineClient):
         if self._closing:
             self.metrics.rejected("shutting_down")
             raise ShuttingDown()
-        # With local prefill on, a pool of decode workers alone can serve short prompts.
-        sides = ((Role.DECODE,) if self.settings.local_prefill_threshold
+        # With local prefill on (or placement by the SLO, which then serves every request
+        # local), a pool of decode workers alone can serve.
+        sides = ((Role.DECODE,) if self.settings.local_prefill_threshold or self.placer
                  else (Role.PREFILL, Role.DECODE))
         for side in sides:
             # A suspect worker may be back in a moment: the request waits for it (queue timeout).
@@ -99,7 +102,7 @@ class PDController(EngineClient):
         ticket = await self._admit(n, timeline)
         seqs = [Sequence(self.pool, self.prefill_policy, self.decode_policy, self.settings,
                          request_id, token_ids, _child_params(params, i, n), stream, i,
-                         observer=timeline)
+                         observer=timeline, placer=self.placer)
                 for i in range(n)]
         self.active.setdefault(request_id, []).extend(seqs)
         outcome = "aborted"

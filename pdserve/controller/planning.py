@@ -10,7 +10,8 @@ Every `interval` seconds a `Planning`:
    the predictions behind it and counted (`pdserve_role_changes_total{why}`).
 
 It also exports the planner's desired workers per role (`pdserve_planner_desired_workers`), the
-autoscaling signal. Each controller plans for itself from what it sees; with several, each
+autoscaling signal, and, with `--placement slo`, places each request (`place`) from the same cost
+models. Each controller plans for itself from what it sees; with several, each
 sees its share of the requests (see docs/architecture.md).
 """
 
@@ -19,11 +20,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 from pdserve.controller.registry import Registry, Worker, WorkerState
 from pdserve.planner.capacity import Demand
 from pdserve.planner.costmodel import CostModel, Profile
+from pdserve.planner.placement import Placement, Request, place
+from pdserve.planner.placement import WorkerState as Placed
 from pdserve.planner.roles import (ROLES, Decision, Memory, PoolView, PoolWorker, RolePlanner,
                                    Smoothed)
 from pdserve.protocol import Load, Role
@@ -76,6 +79,32 @@ class Planning:
     def handed_over(self, worker_id: str, seconds: float) -> None:
         self.pooled.observe_handoff(seconds)
         self._model(worker_id).observe_handoff(seconds)
+
+    # ---- one request's placement (`--placement slo`) -----------------------------------------
+
+    def place(self, tokens: int, left: int, decoders: Sequence[Worker],
+              prefillers: Sequence[Worker], cached: Mapping[str, int | None] | None = None, *,
+              threshold: int | None = None) -> Placement | None:
+        """Local or disaggregated, and on which workers, for a context of `tokens` with up to
+        `left` tokens to generate, against the planner's SLO (planner/placement.py).
+
+        Each worker is judged by its own cost model (the pooled one until it has its own), the
+        streams it runs (its engine's last report, or this controller's legs on it if more:
+        requests placed between two heartbeats must see each other) and the prompt tokens
+        this controller queued on it to prefill. `cached`: tokens each engine holds (KV index).
+        """
+        out = max(1, min(left, round(self.demand().output_tokens)))
+        uncached = {wid: tokens - c for wid, c in (cached or {}).items() if c}
+        decodes = {w.id for w in decoders}
+        prefills = {w.id for w in prefillers}
+        states = [Placed(w.id, _side(w.id in prefills, w.id in decodes),
+                         self.models.get(w.id, self.pooled),
+                         queued_prefill_tokens=w.queued_prefill_tokens,
+                         running=max(w.load.running, w.inflight))
+                  for w in {w.id: w for w in [*decoders, *prefillers]}.values()]
+        return place(Request(tokens, out, uncached), states, self.planner.slo,
+                     local_prefill_threshold=threshold,
+                     handoff_in_ttft=self.planner.handoff_in_ttft)
 
     # ---- the plan ---------------------------------------------------------------------------
 
@@ -152,3 +181,7 @@ class Planning:
         if m is None:
             m = self.models[worker_id] = CostModel(seed=self.profile)
         return m
+
+
+def _side(prefills: bool, decodes: bool) -> str:
+    return "both" if prefills and decodes else "prefill" if prefills else "decode"

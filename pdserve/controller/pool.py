@@ -70,6 +70,7 @@ class Leg:
     queue: asyncio.Queue
     done: bool = False
     outputs: int = 0  # Output messages that carried output (not an error) so far
+    prefill_tokens: int = 0  # tokens it prefills, counted in its worker's queue until it outputs
 
 
 class Pool:
@@ -125,11 +126,13 @@ class Pool:
 
     # ---- legs ------------------------------------------------------------------------------
 
-    def send(self, worker: Worker, msg: protocol.Generate) -> Leg:
-        """Start a leg; raises WorkerLost at once if the worker cannot be reached."""
-        leg = Leg(msg.request_id, worker, asyncio.Queue())
+    def send(self, worker: Worker, msg: protocol.Generate, prefill_tokens: int = 0) -> Leg:
+        """Start a leg; raises WorkerLost at once if the worker cannot be reached.
+        `prefill_tokens`: the prompt tokens it prefills (a prefill or local leg)."""
+        leg = Leg(msg.request_id, worker, asyncio.Queue(), prefill_tokens=prefill_tokens)
         self.legs[leg.id] = leg
         worker.inflight += 1
+        worker.queued_prefill_tokens += prefill_tokens
         worker.legs_total += 1
         try:
             transport.send_nowait(self.sock, msg, to=worker.identity)
@@ -143,7 +146,16 @@ class Pool:
         if not leg.done:
             leg.done = True
             leg.worker.inflight = max(0, leg.worker.inflight - 1)
+            self._prefilled(leg)
             self.legs.pop(leg.id, None)
+
+    @staticmethod
+    def _prefilled(leg: Leg) -> None:
+        """The leg's prefill is done (its first output came) or will not be: out of the queue."""
+        if leg.prefill_tokens:
+            w = leg.worker
+            w.queued_prefill_tokens = max(0, w.queued_prefill_tokens - leg.prefill_tokens)
+            leg.prefill_tokens = 0
 
     def abort(self, leg: Leg) -> None:
         """Tell the worker to drop the leg (best effort) and stop tracking it."""
@@ -285,6 +297,7 @@ class Pool:
         leg = self.legs.get(msg.request_id)
         if leg is not None and leg.worker.identity == identity:
             leg.outputs += msg.error is None
+            self._prefilled(leg)
             leg.queue.put_nowait(msg)
             if msg.finished:
                 self.finish(leg)

@@ -51,6 +51,9 @@ class Worker:
     state: WorkerState = WorkerState.READY
     load: Load = field(default_factory=Load)
     inflight: int = 0  # this controller's requests on the worker right now
+    # Prompt tokens this controller sent it to prefill that have not produced output yet (its
+    # prefill queue as seen from here: what `--placement slo` predicts a prefill's wait from).
+    queued_prefill_tokens: int = 0
     legs_total: int = 0  # request legs this controller has sent to the worker
     pid: int = 0
     kv_events: bool = False  # its engine's prefix-cache events reach the pool's KV index
@@ -89,6 +92,7 @@ class Worker:
             "waiting": self.load.waiting,
             "kv_usage": round(self.load.kv_usage, 4),
             "inflight": self.inflight,
+            "queued_prefill_tokens": self.queued_prefill_tokens,
             "legs_total": self.legs_total,
             "pid": self.pid,
             "duty": self.duty.label,

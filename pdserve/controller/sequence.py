@@ -29,7 +29,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
@@ -43,6 +43,9 @@ from pdserve.controller.router import Cached, Policy
 from pdserve.controller.stream import Stream
 from pdserve.errors import NoWorkerAvailable, RequestFailed, StepTimeout
 from pdserve.protocol import KV_READ_STATS, ErrorKind, Phase, Role, SeqDelta
+
+if TYPE_CHECKING:
+    from pdserve.planner.placement import Placement
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +77,11 @@ class Settings:
     prefill_policy: str = "least_loaded"
     decode_policy: str = "least_loaded"
     local_prefill_threshold: int = 0  # contexts shorter than this are prefilled by decode
+    # "rules": the decode policy picks the worker, then the rules of `_local_reason` decide
+    # local or not and the prefill policy picks the prefill worker. "slo": the controller's
+    # Planning places each request from its cost models against the SLO (planner/placement.py;
+    # a set local_prefill_threshold then overrides only the local-or-not choice).
+    placement: str = "rules"
     # A context the chosen decode worker's engine partly holds (the KV index says so), with
     # fewer than this many tokens left to compute, is prefilled there: the handoff is skipped.
     skip_handoff_below: int = 0
@@ -139,8 +147,9 @@ class Sequence:
 
     def __init__(self, pool: Pool, prefill: Policy, decode: Policy, settings: Settings,
                  request_id: str, prompt: list[int], params, stream: Stream, index: int = 0,
-                 observer: Observer | None = None):
+                 observer: Observer | None = None, placer: Placer | None = None):
         self.pool = pool
+        self.placer = placer  # with placement "slo": where each attempt goes
         self.prefill_policy = prefill
         self.decode_policy = decode
         self.s = settings
@@ -230,8 +239,7 @@ class Sequence:
     async def _choose(self, side: Role, policy: Policy, tokens: list[int],
                       ) -> tuple[Worker, int | None]:
         """A worker for `side`, and the tokens of `tokens` the KV index says it holds."""
-        ready = await self._ready(side)
-        candidates = [w for w in ready if w.id not in self.failed_on] or ready
+        candidates = self._untried(await self._ready(side))
         cached = self._cached(tokens, candidates) if policy.uses_cache else None
         w = policy.choose(candidates, tokens, cached)
         assert w is not None
@@ -278,14 +286,50 @@ class Sequence:
     async def _attempt(self) -> AsyncIterator[None]:
         a = self._plan()
         self.obs.queued()
-        # The decode worker first: what its engine holds decides whether a handoff pays.
-        d, d_cached = await self._choose(Role.DECODE, self.decode_policy, a.ctx)
         self._ctx = a.ctx
-        self.route.placed(len(a.ctx), d.id, d_cached)
-        reason = self._local_reason(a, d, d_cached)
-        steps = self._local(a, d, reason) if reason else self._disaggregated(a, d)
+        # A seeded request keeps to the rules: they disaggregate it whenever they can (module
+        # docstring), which the SLO's choice must not undo.
+        if self.placer is not None and not own_draw(self.params):
+            d, p, reason = await self._placed(a)
+        else:
+            d, p, reason = await self._by_rules(a)
+        steps = self._local(a, d, reason) if p is d else self._disaggregated(a, d, p, reason)
         async for _ in steps:
             yield
+
+    async def _by_rules(self, a: _Plan) -> tuple[Worker, Worker | None, str]:
+        """(decode worker, prefill worker: itself when local, None to choose later, reason)."""
+        # The decode worker first: what its engine holds decides whether a handoff pays.
+        d, d_cached = await self._choose(Role.DECODE, self.decode_policy, a.ctx)
+        self.route.placed(len(a.ctx), d.id, d_cached)
+        reason = self._local_reason(a, d, d_cached)
+        return d, (d if reason else None), reason
+
+    async def _placed(self, a: _Plan) -> tuple[Worker, Worker | None, str]:
+        """The SLO's choice (`--placement slo`): the same, from the placer's cost models."""
+        assert self.placer is not None
+        decoders = self._untried(await self._ready(Role.DECODE))
+        prefillers = self._untried(self.pool.registry.ready(Role.PREFILL))
+        everyone = list({w.id: w for w in [*decoders, *prefillers]}.values())
+        cached = self._cached(a.ctx, everyone) or {}
+        placed = self.placer.place(len(a.ctx), a.left, decoders, prefillers, cached,
+                                   threshold=self.s.local_prefill_threshold or None)
+        assert placed is not None  # there are decoders
+        workers = {w.id: w for w in everyone}
+        d, p = workers[placed.decode_worker], workers[placed.prefill_worker]
+        self.route.placed(len(a.ctx), d.id, cached.get(d.id))
+        # The policies that learn where prompts went keep learning.
+        self.decode_policy.routed(d, a.ctx)
+        if p is not d:
+            self.prefill_policy.routed(p, a.ctx)
+            self.route.prefill_cached = cached.get(p.id)
+        logger.debug("request %s: %s (predicted TTFT %.0f ms, TPOT %.1f ms)", self.request_id,
+                     placed.reason, placed.predicted_ttft * 1e3, placed.predicted_tpot * 1e3)
+        return d, p, placed.reason
+
+    def _untried(self, workers: list[Worker]) -> list[Worker]:
+        """Those that have not failed this sequence, unless all have."""
+        return [w for w in workers if w.id not in self.failed_on] or workers
 
     def _plan(self) -> _Plan:
         done = self.stream.tokens(self.index)
@@ -323,17 +367,21 @@ class Sequence:
         self.obs.local(d.id)
         leg = self._send(d, Phase.LOCAL, a.ctx, leg_params(
             self.params, max_tokens=a.left, min_tokens=a.min_left, prompt_logprobs=a.want_plp),
-            forced=a.replay)
+            forced=a.replay, prefill_tokens=self._to_compute(a, self.route.decode_cached))
         async for _ in self._relay(leg, "local prefill", first_timeout=self.s.prefill_timeout,
                                    skip=a.replay):
             yield
 
-    async def _disaggregated(self, a: _Plan, d: Worker) -> AsyncIterator[None]:
-        """Prefill, stream (or hold) its token, hand the KV to decode worker `d`, relay it."""
+    async def _disaggregated(self, a: _Plan, d: Worker, p: Worker | None,
+                             reason: str = "") -> AsyncIterator[None]:
+        """Prefill on `p` (the prefill policy's choice if None), stream (or hold) its token,
+        hand the KV to decode worker `d`, relay it."""
         self.state = State.PREFILL
-        self.route.path = "disaggregated"
-        p, p_cached = await self._choose(Role.PREFILL, self.prefill_policy, a.ctx)
-        self.route.prefill, self.route.prefill_cached = p.id, p_cached
+        self.route.path, self.route.reason = "disaggregated", reason
+        if p is None:
+            p, self.route.prefill_cached = await self._choose(Role.PREFILL,
+                                                              self.prefill_policy, a.ctx)
+        self.route.prefill = p.id
         first, kv, leg = await self._prefill(p, a)
         self._clock = HandoffClock(prefill_out=time.monotonic())
         held, forced = None, list(a.replay)
@@ -372,7 +420,8 @@ class Sequence:
         else:
             params, forced = leg_params(self.params, max_tokens=1, min_tokens=min(1, a.min_left),
                                         prompt_logprobs=a.want_plp), a.replay[:1]
-        leg = self._send(p, Phase.PREFILL, a.ctx, params, forced=forced)
+        leg = self._send(p, Phase.PREFILL, a.ctx, params, forced=forced,
+                         prefill_tokens=self._to_compute(a, self.route.prefill_cached))
         outs = [o async for o in self._outputs(leg, "prefill", self.s.prefill_timeout,
                                                self.s.prefill_timeout)]
         kv = outs[-1].kv_transfer_params
@@ -417,10 +466,11 @@ class Sequence:
     # ---- helpers ---------------------------------------------------------------------------
 
     def _send(self, worker: Worker, phase: Phase, tokens: list[int], params: bytes,
-              kv_transfer_params: dict | None = None, forced: list[int] | None = None) -> Leg:
+              kv_transfer_params: dict | None = None, forced: list[int] | None = None,
+              prefill_tokens: int = 0) -> Leg:
         msg = protocol.Generate(self._leg_id(phase.name.lower()[0]), phase, tokens,
                                 msgspec.Raw(params), kv_transfer_params, forced or None)
-        leg = self.pool.send(worker, msg)
+        leg = self.pool.send(worker, msg, prefill_tokens)
         self.legs.append(leg)
         return leg
 
@@ -527,6 +577,12 @@ class Sequence:
                 yield
                 self._check_aborted()
 
+    @staticmethod
+    def _to_compute(a: _Plan, cached: int | None) -> int:
+        """Tokens of the context a worker computes, by the KV index's word (all if it cannot
+        say): what the leg adds to the worker's prefill queue."""
+        return max(1, len(a.ctx) - (cached or 0))
+
     def _kv_read(self, d: Worker, stats: list[int]) -> None:
         """The decode engine's report: tokens it had cached itself, tokens whose KV it read."""
         hit, read = int(stats[0]), int(stats[1])
@@ -600,6 +656,14 @@ def _merge(deltas: list[SeqDelta]) -> SeqDelta:
         out.cumulative_logprob = d.cumulative_logprob
         out.finish_reason, out.stop_reason = d.finish_reason, d.stop_reason
     return out
+
+
+class Placer(Protocol):
+    """Where a request goes under `--placement slo` (controller/planning.py's Planning)."""
+
+    def place(self, tokens: int, left: int, decoders: list[Worker], prefillers: list[Worker],
+              cached: Cached | None = None, *, threshold: int | None = None,
+              ) -> Placement | None: ...
 
 
 class Observer(Protocol):

@@ -78,8 +78,17 @@ def add_pd_args(parser) -> None:
                    help="prefill: stream the prefill worker's first token at once (lowest TTFT); "
                         "decode: send it with the decode worker's first output (TTFT includes "
                         "the KV handoff; no handoff pause inside the stream)")
+    g.add_argument("--placement", choices=["rules", "slo"], default="rules",
+                   help="rules: the decode policy picks the decode worker, then a short prompt "
+                        "(--local-prefill-threshold), a cached one (--skip-handoff-below) or "
+                        "an auto worker on duty both is served there whole, else the prefill "
+                        "policy picks a prefill worker; slo: each request goes local or "
+                        "disaggregated, and to the workers, that its predicted TTFT and the "
+                        "TPOT of the streams already there best meet --slo with, from the "
+                        "workers' live cost models (the route's reason says which)")
     g.add_argument("--slo", nargs="+", default=["ttft:2000", "tpot:50"], metavar="NAME:MS",
-                   help="the role planner's SLO for `--role auto` workers: ttft:MS tpot:MS")
+                   help="the SLO the role planner (`--role auto` workers) and --placement slo "
+                        "aim at: ttft:MS tpot:MS")
     g.add_argument("--profile", default=None,
                    help="cost profile (JSON, as `pdserve plan --save-profile` writes) that "
                         "seeds the planner's cost model (default: the bench preset's on one "
@@ -162,6 +171,7 @@ def settings_from(args) -> Settings:
                                       getattr(args, "max_num_queued_reqs", None))
     return Settings(prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
                     local_prefill_threshold=args.local_prefill_threshold,
+                    placement=args.placement,
                     skip_handoff_below=args.skip_handoff_below,
                     queue_timeout=args.queue_timeout, prefill_timeout=args.prefill_timeout,
                     token_timeout=args.token_timeout, max_retries=args.max_retries,
@@ -296,6 +306,8 @@ async def serve(args: argparse.Namespace) -> None:
     controller = PDController(vllm_config, pool, settings_from(args), metrics)
     planning = planning_from(args, pool)
     metrics.watch_planning(planning)
+    if args.placement == "slo":
+        controller.placer = planning
     planner_task = asyncio.create_task(planning.run(pool.changed))
     logger.info("pdserve controller %s: workers register at %s%s", pool.id, pool.address,
                 " (CurveZMQ)" if keys else "")

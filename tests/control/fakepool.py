@@ -131,12 +131,17 @@ class Cluster:
                 out.append(f"{wid}: worker tasks {list(w.tasks)}")
         if self.pool.legs:
             out.append(f"controller legs {list(self.pool.legs)}")
+        queued = {w.id: w.queued_prefill_tokens for w in self.pool.registry.workers.values()
+                  if w.queued_prefill_tokens}
+        if queued:
+            out.append(f"controller prefill queues {queued}")
         if self.controller.active:
             out.append(f"controller requests {list(self.controller.active)}")
         return out
 
     async def assert_clean(self, timeout: float = 5.0) -> None:
-        """Nothing stranded anywhere: no request on any engine, no held KV, no legs."""
+        """Nothing stranded anywhere: no request on any engine, no held KV, no legs, no prefill
+        counted as queued on a worker."""
         try:
             await wait_until(lambda: not self.leaks(), timeout)
         except AssertionError:

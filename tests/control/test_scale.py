@@ -31,10 +31,10 @@ async def test_200_workers_with_churn(make_cluster):
     bad_sends: list[str] = []
     send = c.pool.send
 
-    def checked_send(worker, msg):
+    def checked_send(worker, msg, prefill_tokens=0):
         if worker.state != WorkerState.READY:
             bad_sends.append(f"{msg.request_id} -> {worker.id} ({worker.state.value})")
-        return send(worker, msg)
+        return send(worker, msg, prefill_tokens)
 
     c.pool.send = checked_send  # type: ignore[method-assign]
     gone: dict[str, int] = {}  # worker id -> engine requests when it was killed or drained
