@@ -212,6 +212,19 @@ def test_plan_prints_candidates_a_recommendation_and_the_validation(tmp_path, ca
     assert Profile.from_json(saved.read_text()).handoff_s == pytest.approx(0.04, rel=0.02)
 
 
+def test_plan_validates_on_held_out_rates_only(tmp_path, capsys):
+    folder = write_results(tmp_path / "bench")
+    assert cli.main(["plan", "--results", str(folder), "--validate", "--hold-out", "4",
+                     "--duration", "20"]) == 0
+    text = capsys.readouterr().out
+    assert "held out (not fit): the runs at 4 req/s" in text
+    assert "| 1P1D@0 | 4 |" in text and "| colocated | 4 |" in text
+    assert "| 1P1D@0 | 0.33 |" not in text  # the run the profile was fit on
+    assert "over 2 runs" in text
+    assert cli.main(["plan", "--results", str(folder), "--hold-out", "4,0.33"]) == 2
+    assert "no runs" in capsys.readouterr().err
+
+
 def test_plan_recommends_colocated_when_the_decode_worker_saturates(tmp_path, capsys):
     # Decode steps that grow fast with the batch: one decode worker cannot keep up at 6 req/s,
     # two `both` workers can; at 1 req/s 1P1D has room.

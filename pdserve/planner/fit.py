@@ -220,12 +220,19 @@ def _decode_points(run: Run) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nda
     return q["step"][ok], batch, kvs, q["gap0"][ok]
 
 
-def fit_profile(folder: Path, *, max_noise: float = MAX_NOISE, seed: Profile | None = None) -> Fit:
-    """Fit a Profile from a results folder; ValueError when it holds too little to fit."""
+def fit_profile(folder: Path, *, max_noise: float = MAX_NOISE, seed: Profile | None = None,
+                hold_out: frozenset[float] = frozenset()) -> Fit:
+    """Fit a Profile from a results folder, leaving out the runs at the `hold_out` rates (to
+    validate against); ValueError when it holds too little to fit."""
     meta, runs = read_results(folder)
     notes: list[str] = []
+    if hold_out:
+        runs = [r for r in runs if r.rate not in hold_out]
+        notes.append("held out (not fit): the runs at " + ", ".join(
+            f"{x:g}" for x in sorted(hold_out)) + " req/s")
     if not runs:
-        raise ValueError(f"{folder}: no runs with their raw per-request files")
+        raise ValueError(f"{folder}: no runs with their raw per-request files"
+                         + (" at the rates not held out" if hold_out else ""))
     quiet = [r for r in runs if r.noise <= max_noise]
     if not quiet and all(_engines_uncounted(r) for r in runs):
         notes.append("the workers' CPU leaves out their engines (an engine core runs in a "

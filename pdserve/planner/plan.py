@@ -48,6 +48,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--validate", action="store_true",
                    help="compare predicted and measured goodput of every configuration run")
+    p.add_argument("--hold-out", default="", metavar="RATES",
+                   help="with --results: fit the profile without the runs at these rates "
+                        "(e.g. 6 or 4,6) and validate against those runs only")
     return p
 
 
@@ -63,13 +66,20 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     meta: dict = {}
     runs: list[fit.Run] = []
+    if args.hold_out and not args.results:
+        raise ValueError("--hold-out needs --results (the runs to fit and to hold out)")
     if args.profile:
         profile = Profile.from_json(Path(args.profile).read_text())
         print(f"profile: {args.profile}")
     elif args.results:
         folder = Path(args.results)
         meta, runs = fit.read_results(folder)
-        got = fit.fit_profile(folder)
+        hold_out = _rates(args.hold_out)
+        got = fit.fit_profile(folder, hold_out=hold_out)
+        if hold_out:
+            runs = [r for r in runs if r.rate in hold_out]
+            if not runs:
+                raise ValueError(f"{folder}: no run at the held-out rates {args.hold_out}")
         profile = got.profile
         print(f"profile fit from {folder} ({got.requests} request samples):")
         for line in got.notes + got.checks:
@@ -97,6 +107,13 @@ def run(args: argparse.Namespace) -> int:
     for n in sizes:
         plan_pool(n, rate * n / base, profile, classes, slo, args.duration, args.seed)
     return 0
+
+
+def _rates(text: str) -> frozenset[float]:
+    try:
+        return frozenset(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--hold-out takes rates such as 4,6, not {text!r}") from None
 
 
 def _slo(pairs: list[str]) -> Slo:
