@@ -85,6 +85,23 @@ def test_an_auto_controller_aims_at_the_benchs_slo_with_the_profile(tmp_path: Pa
     assert cluster.planner_args(Slo(None, None, 5000.0)) == []
 
 
+def test_slo_configurations_place_by_the_slo_with_the_planners_arguments(
+        tmp_path: Path) -> None:
+    cfgs = cluster.parse_configs("1P1D:slo,2auto:SLO,1P2D@0:kv:slo")
+    assert [c.name for c in cfgs] == ["1P1D:slo", "2auto:slo", "1P2D@0:kv:slo"]
+    assert [c.slo_placement for c in cfgs] == [True, True, True]
+    assert cfgs[2].local_threshold == 0 and cfgs[2].routing == "kv"
+    planner = cluster.planner_args(Slo(2000.0, 18.0))
+    for cfg in ("1P1D:slo", "2auto:slo"):
+        ctl = _controller(cfg, tmp_path, planner)
+        assert ctl[ctl.index("--placement") + 1] == "slo"
+        assert ctl[ctl.index("--slo") + 1:ctl.index("--slo") + 3] == ["ttft:2000", "tpot:18"]
+    assert "--placement" not in _controller("2auto", tmp_path, planner)
+    for bad in ("1P1D:slo:kv", "2auto:slo:slo", "colocated:slo"):
+        with pytest.raises(ValueError, match=bad):
+            cluster.parse_configs(bad)
+
+
 def test_an_auto_worker_is_started_with_role_auto() -> None:
     cmd = cluster.real_worker("auto", "tcp://127.0.0.1:1", "0", None, "/m", [])
     assert cmd[cmd.index("--role") + 1] == "auto"

@@ -48,6 +48,7 @@ class Config:
     decode_first: bool = False  # controller's --first-token decode
     routing: str = ""  # a ROUTING key: "" keeps the controller's defaults
     auto: int = 0  # workers of role auto: the controller's planner gives each its duty
+    slo_placement: bool = False  # controller's --placement slo (with the planner's arguments)
 
     @property
     def engines(self) -> int:
@@ -76,33 +77,37 @@ ROUTING = {
 def parse_configs(spec: str) -> list[Config]:
     """`1P1D,2P1D@0,1P1D@0:decode-first,colocated,2auto`: `@T` sets the controller's
     local-prefill threshold (`@0`: every prompt goes through the KV handoff), `:decode-first` its
-    `--first-token decode`, `:blind`, `:prefix` or `:kv` its routing (ROUTING); `Nauto` is N
-    workers of role auto; `colocated` has as many engines as the largest XpYd or Nauto listed
+    `--first-token decode`, `:blind`, `:prefix` or `:kv` its routing (ROUTING), `:slo` its
+    `--placement slo`; `Nauto` is N workers of role auto; `colocated` has as many engines as the largest XpYd or Nauto listed
     (2 if none); `colocatedN` sets N."""
     names = [s.strip() for s in spec.split(",") if s.strip()]
     out: list[Config | str] = []
     for name in names:
-        if m := re.fullmatch(r"(\d+)P(\d+)D(?:@(\d+))?(:decode-first)?(?::(blind|prefix|kv))?",
-                             name, re.IGNORECASE):
+        if m := re.fullmatch(r"(\d+)P(\d+)D(?:@(\d+))?(:decode-first)?(?::(blind|prefix|kv))?"
+                             r"(:slo)?", name, re.IGNORECASE):
             x, y = int(m[1]), int(m[2])
             if x < 1 or y < 1:
                 raise ValueError(f"{name}: need at least one prefill and one decode worker")
             t = None if m[3] is None else int(m[3])
             routing = (m[5] or "").lower()
             label = (f"{x}P{y}D" + ("" if t is None else f"@{t}")
-                     + (":decode-first" if m[4] else "") + (f":{routing}" if routing else ""))
+                     + (":decode-first" if m[4] else "") + (f":{routing}" if routing else "")
+                     + (":slo" if m[6] else ""))
             out.append(Config(label, prefill=x, decode=y, local_threshold=t,
-                              decode_first=bool(m[4]), routing=routing))
-        elif m := re.fullmatch(r"(\d+)auto", name, re.IGNORECASE):
+                              decode_first=bool(m[4]), routing=routing,
+                              slo_placement=bool(m[6])))
+        elif m := re.fullmatch(r"(\d+)auto(:slo)?", name, re.IGNORECASE):
             if int(m[1]) < 1:
                 raise ValueError(f"{name}: need at least one auto worker")
-            out.append(Config(f"{int(m[1])}auto", auto=int(m[1])))
+            out.append(Config(f"{int(m[1])}auto" + (":slo" if m[2] else ""), auto=int(m[1]),
+                              slo_placement=bool(m[2])))
         elif m := re.fullmatch(r"colocated(\d*)", name, re.IGNORECASE):
             out.append(m[1] or "colocated")
         else:
             raise ValueError(f"unknown configuration {name!r}: want "
-                             "XpYd[@T][:decode-first][:blind|:prefix|:kv] (e.g. 1P1D, 1P1D@0, "
-                             "1P2D@256:kv), Nauto (e.g. 2auto) or colocated[N]")
+                             "XpYd[@T][:decode-first][:blind|:prefix|:kv][:slo] (e.g. 1P1D, "
+                             "1P1D@0, 1P2D@256:kv, 1P1D:slo), Nauto[:slo] (e.g. 2auto) or "
+                             "colocated[N]")
     n = max((c.engines for c in out if isinstance(c, Config)), default=2)
     return [c if isinstance(c, Config) else Config("colocated", both=int(c) if c != "colocated"
                                                    else n) for c in out]
@@ -192,7 +197,8 @@ class PdDeployment(Deployment):
         self.keys = keys
         self.controller_args = list(controller_args or [])
         self.worker_args = list(worker_args or [])
-        self.auto_args = list(auto_args or [])  # planner_args(), for auto configurations only
+        # planner_args(), for auto and :slo configurations only
+        self.auto_args = list(auto_args or [])
         self.worker_cmd = worker_cmd
         self.cores: dict[str, str | None] = {}
 
@@ -207,7 +213,9 @@ class PdDeployment(Deployment):
         if self.cfg.decode_first:
             ctl += ["--first-token", "decode"]
         ctl += ROUTING.get(self.cfg.routing, [])
-        if self.cfg.auto:
+        if self.cfg.slo_placement:
+            ctl += ["--placement", "slo"]
+        if self.cfg.auto or self.cfg.slo_placement:
             ctl += self.auto_args
         if keydir:
             ctl += ["--keys", keydir]

@@ -54,9 +54,11 @@ def make_parser() -> argparse.ArgumentParser:
                     "`pdserve bench scaleout --help` the one for several API servers, "
                     "`pdserve bench join --help` how fast a pool takes in a new controller.")
     p.add_argument("--configs", default="1P1D,colocated", type=checked(cluster.parse_configs),
-                   help="XpYd[@T][:decode-first], Nauto and/or colocated[N], comma-separated. "
-                        "@T: the controller's --local-prefill-threshold (@0: every prompt handed "
-                        "over); :decode-first: its --first-token decode; Nauto: N workers of "
+                   help="XpYd[@T][:decode-first][:slo], Nauto[:slo] and/or colocated[N], "
+                        "comma-separated. @T: the controller's --local-prefill-threshold (@0: "
+                        "every prompt handed over); :decode-first: its --first-token decode; "
+                        ":slo: its --placement slo (with the planner's arguments); Nauto: N "
+                        "workers of "
                         "role auto, their duties chosen by the controller's planner for the "
                         "bench's --slo; colocated: the same number of engines as the largest "
                         "XpYd or Nauto, each serving whole requests")
@@ -112,9 +114,9 @@ def make_parser() -> argparse.ArgumentParser:
                    help="extra argument for every worker (repeat)")
     p.add_argument("--profile", default=None, metavar="FILE",
                    help="a cost profile (pdserve plan --save-profile) for the controller's "
-                        "planner in Nauto configurations")
+                        "planner in Nauto and :slo configurations")
     p.add_argument("--plan-args", default="", metavar="\"ARGS\"",
-                   help="more controller arguments for Nauto configurations, after the "
+                   help="more controller arguments for Nauto and :slo configurations, after the "
                         "planner's --slo and --profile, e.g. --plan-args=\"--plan-interval 2 "
                         "--plan-hold 5\"")
     loads.add_arguments(p)
@@ -146,15 +148,15 @@ def paces_of(rates: list[float] | Schedule, args: argparse.Namespace,
 
 def auto_args(args: argparse.Namespace, configs: list[cluster.Config],
               slo: metrics.Slo) -> list[str]:
-    """The controller's planner arguments for Nauto configurations; ValueError for a missing
-    --profile file."""
+    """The controller's planner arguments for Nauto and :slo configurations; ValueError for a
+    missing --profile file."""
     profile = None
     if args.profile:
         if not Path(args.profile).is_file():
             raise ValueError(f"--profile {args.profile}: no such file")
         profile = str(Path(args.profile).resolve())
-    if (profile or args.plan_args) and not any(c.auto for c in configs):
-        logger.warning("--profile and --plan-args apply to Nauto configurations only; "
+    if (profile or args.plan_args) and not any(c.auto or c.slo_placement for c in configs):
+        logger.warning("--profile and --plan-args apply to Nauto and :slo configurations only; "
                        "none is listed")
     return cluster.planner_args(slo, profile, args.plan_args)
 
