@@ -100,7 +100,8 @@ class Planning:
         states = [Placed(w.id, _side(w.id in prefills, w.id in decodes),
                          self.models.get(w.id, self.pooled),
                          queued_prefill_tokens=w.queued_prefill_tokens,
-                         running=max(w.load.running, w.inflight))
+                         # A prefill worker's requests are prefills, not streams to stall.
+                         running=max(w.load.running, w.inflight) if w.id in decodes else 0)
                   for w in {w.id: w for w in [*decoders, *prefillers]}.values()]
         return place(Request(tokens, out, uncached), states, self.planner.slo,
                      local_prefill_threshold=threshold,

@@ -131,3 +131,22 @@ async def test_a_pool_of_decode_workers_alone_serves_under_slo_placement(make_cl
     assert (r.path, r.decode) == ("local", d.worker_id)
     assert r.reason == "least_violation" or r.reason == "slo_local"
     await c.assert_clean()
+
+
+def test_a_prefill_workers_legs_are_not_streams_that_a_prefill_would_stall():
+    # Eight prefills in flight on the prefill worker (their tokens no longer queued): they are
+    # not decode streams, so a handoff through it costs this request no stall; one stream on
+    # the decode worker makes local the worse choice.
+    from pdserve.controller.registry import Registry, Worker
+    from pdserve.protocol import Role
+
+    def worker(wid: str, role: Role, inflight: int) -> Worker:
+        return Worker(wid, role, "127.0.0.1", 1, fake.fake_info(), wid.encode(), 0.0, 0.0,
+                      inflight=inflight)
+
+    p, d = worker("p", Role.PREFILL, 8), worker("d", Role.DECODE, 1)
+    planning = Planning(Registry(), RolePlanner(Slo(2000, 50)), SLOW_PREFILL)
+    placed = planning.place(len(PROMPT), 10, [d], [p])
+    assert placed is not None
+    assert (placed.kind, placed.prefill_worker, placed.reason) == ("disaggregated", "p",
+                                                                    "slo_disagg")
