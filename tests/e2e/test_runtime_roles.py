@@ -1,6 +1,9 @@
 """`--role auto` with real engines: the controller's role planner turns two colocated auto workers
 into 1P1D while a long stream runs on one of them; the stream finishes whole and equal to one
-plain engine, later requests follow the new duties, and no KV block is left in use."""
+plain engine, later requests follow the new duties, and no KV block is left in use.
+
+The same workers also serve a second controller that places each request by the SLO
+(`--placement slo`): its answers equal one engine's and each says which SLO rule placed it."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ LONG = 3000  # output tokens: the stream must outlast two planner holds (1.5 s e
 
 @pytest.fixture(scope="module")
 def auto_pool(model_dir, logs, keys):
-    port, wport = free_port(), free_port()
+    port, wport, port2, wport2 = free_port(), free_port(), free_port(), free_port()
     ctl = Proc("controller-auto", pdserve(
         "controller", "--model", model_dir, "--host", "127.0.0.1", "--port", str(port),
         "--worker-port", str(wport), "--keys", keys, "--heartbeat-interval", "0.5",
@@ -25,18 +28,26 @@ def auto_pool(model_dir, logs, keys):
         # An SLO every split meets by far: the planner's rule alone (fewest `both` workers)
         # decides, whatever its cost model makes of a machine this test shares with others.
         "--slo", "ttft:100000", "tpot:100000"), logs)
+    placing = Proc("controller-slo", pdserve(
+        "controller", "--model", model_dir, "--host", "127.0.0.1", "--port", str(port2),
+        "--worker-port", str(wport2), "--keys", keys, "--heartbeat-interval", "0.5",
+        "--placement", "slo", "--slo", "ttft:2000", "tpot:50"), logs)
     workers = [Proc(f"auto-{i}", pdserve(
-        "worker", "--role", "auto", "--worker-id", f"auto-{i}", "--controller",
-        f"tcp://127.0.0.1:{wport}", "--keys", keys, "--model", model_dir, "--advertise-host",
+        "worker", "--role", "auto", "--worker-id", f"auto-{i}",
+        "--controller", f"tcp://127.0.0.1:{wport}", "--controller", f"tcp://127.0.0.1:{wport2}",
+        "--keys", keys, "--model", model_dir, "--advertise-host",
         "127.0.0.1", "--heartbeat-interval", "0.5", "--cores", str(i)), logs) for i in (0, 1)]
-    base = f"http://127.0.0.1:{port}"
+    base, base2 = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port2}"
     try:
-        wait_for(lambda: len(ready_workers(base)) == 2, 400, "two auto workers", [ctl, *workers])
-        yield base, ctl
+        for b in (base, base2):
+            wait_for(lambda: len(ready_workers(b)) == 2, 400, "two auto workers",
+                     [ctl, placing, *workers])
+        yield base, ctl, base2, placing
     finally:
         for w in workers:
             w.stop()
         ctl.stop()
+        placing.stop()
 
 
 def long_completion(client, model: str, prompt: list[int]) -> list[int]:
@@ -53,7 +64,7 @@ def test_a_stream_finishes_whole_across_its_workers_duty_change(auto_pool, ref_c
                                                                  model_dir):
     import openai
 
-    base, ctl = auto_pool
+    base, ctl, _, _ = auto_pool
     client = openai.OpenAI(base_url=base + "/v1", api_key="none", timeout=300, max_retries=0)
     seen: list[dict[str, str]] = []  # the duties, polled while the stream runs
     done = threading.Event()
@@ -90,6 +101,27 @@ def test_a_stream_finishes_whole_across_its_workers_duty_change(auto_pool, ref_c
     counted = re.findall(r'^pdserve_role_changes_total\{why="(\w+)"\} ([0-9.]+)$', _metrics(base),
                          re.M)
     assert sum(float(n) for _, n in counted) >= 2, counted
+
+
+def test_placement_by_the_slo_answers_as_one_engine_and_says_why(auto_pool, ref_client,
+                                                                   model_dir):
+    import openai
+
+    _, _, base, ctl = auto_pool
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none", timeout=300, max_retries=0)
+    for k, n in enumerate((100, 1500, 300)):
+        prompt = prompt_ids(n, 9800 + k)
+        ours, _ = complete(client, model_dir, prompt, max_tokens=24, temperature=0)
+        assert ours == complete(ref_client, model_dir, prompt, max_tokens=24, temperature=0)[0]
+    routes = re.findall(r"request \S+: (local|disaggregated) \((\w+)\)", ctl.log())
+    assert len(routes) == 3 and {why for _, why in routes} <= {
+        "slo_local", "slo_disagg", "least_violation"}, routes
+    counted = re.findall(r'^pdserve_routes_total\{path="(\w+)",reason="(\w+)"\} ([0-9.]+)$',
+                         _metrics(base), re.M)
+    assert sum(float(n) for _, why, n in counted if why.startswith(("slo_", "least"))) == 3
+    wait_for(lambda: all(w["kv_usage"] == 0 and w["running"] == 0 and
+                         w["queued_prefill_tokens"] == 0 for w in get_json(base + "/pd/workers")),
+             20, "engines idle")
 
 
 def _metrics(base: str) -> str:
