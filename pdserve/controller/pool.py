@@ -71,6 +71,7 @@ class Leg:
     done: bool = False
     outputs: int = 0  # Output messages that carried output (not an error) so far
     prefill_tokens: int = 0  # tokens it prefills, counted in its worker's queue until it outputs
+    backlog: int = 0  # Outputs on `queue` not read yet
 
 
 class Pool:
@@ -298,6 +299,7 @@ class Pool:
         if leg is not None and leg.worker.identity == identity:
             leg.outputs += msg.error is None
             self._prefilled(leg)
+            leg.backlog += 1
             leg.queue.put_nowait(msg)
             if msg.finished:
                 self.finish(leg)

@@ -495,6 +495,7 @@ class Sequence:
                     raise _Aborted()
                 if isinstance(item, WorkerLost):
                     raise item
+                leg.backlog -= 1
                 if item.error is not None:
                     if item.error_kind == ErrorKind.INVALID:
                         raise ValueError(item.error)
@@ -544,7 +545,7 @@ class Sequence:
         which the worker must reproduce); `held`, the prefill's token not yet streamed, goes out
         with the leg's first output."""
         skip = list(skip or [])
-        first = True
+        first, unsaid = True, False
         async for out in self._outputs(leg, step, first_timeout, self.s.token_timeout):
             if out.num_cached_tokens is not None:
                 self.stream.num_cached_tokens = min(out.num_cached_tokens, len(self.prompt))
@@ -573,7 +574,12 @@ class Sequence:
                     self.obs.decode_started(leg.worker.id)
                     first = False
                 self.obs.tokens(n)
-            if changed:  # also a last delta without tokens: its finish reason must go out
+            # Also a last delta without tokens: its finish reason must go out. Outputs of this
+            # leg already waiting go out with it, in one chunk, as vLLM's output collector
+            # merges what its server has not taken yet.
+            unsaid = unsaid or changed
+            if unsaid and not leg.backlog:
+                unsaid = False
                 yield
                 self._check_aborted()
 

@@ -1,5 +1,6 @@
 """The path from a worker's Output messages to the stream's RequestOutputs: batched receives,
-a leg's step timeouts (one timer per leg), and outputs that own their lists."""
+a leg's step timeouts (one timer per leg), outputs that own their lists, and outputs merged
+into one when the server takes them slower than they come (as vLLM's output collector does)."""
 
 from __future__ import annotations
 
@@ -75,6 +76,38 @@ async def test_outputs_keep_coming_past_many_timeouts_worth_of_tokens(make_clust
 
 def _d(tokens, finish=None):
     return SeqDelta(0, "".join(f" t{t}" for t in tokens), list(tokens), None, None, finish)
+
+
+async def _read(c, params, pause: float) -> list:
+    """A request's outputs, read as a server that takes `pause` per chunk would."""
+    outs = []
+    async for o in c.controller.generate({"type": "token", "prompt_token_ids": PROMPT}, params,
+                                         f"slow-{pause}"):
+        outs.append(o)
+        await asyncio.sleep(pause)
+    return outs
+
+
+async def test_outputs_that_wait_for_a_slow_server_go_out_as_one(pd):
+    params = greedy(60)
+    outs = await asyncio.wait_for(_read(pd, params, 0.05), 20)
+    assert final_tokens(outs) == fake.reference(PROMPT, params).token_ids
+    text = "".join(c.text for o in outs for c in o.outputs)
+    assert text == fake.reference(PROMPT, params).text
+    assert len(outs) < 30  # instant workers, 50 ms per chunk taken: merged
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
+    await pd.assert_clean()
+
+
+async def test_a_server_that_keeps_up_gets_one_output_per_token(make_cluster):
+    c = await make_cluster()
+    await c.add("prefill")
+    await c.add("decode", decode_delay=0.02)
+    params = greedy(20)
+    outs = await asyncio.wait_for(_read(c, params, 0.0), 20)
+    assert final_tokens(outs) == fake.reference(PROMPT, params).token_ids
+    assert [len(o.outputs[0].token_ids) for o in outs] == [1] * 20
+    await c.assert_clean()
 
 
 def test_a_delta_output_is_not_changed_by_what_follows():

@@ -60,7 +60,7 @@ async def test_decode_worker_lost_mid_stream_is_migrated_without_gaps(cluster, h
     outs = await req
     tokens = final_tokens(outs)
     assert tokens == fake.reference(PROMPT, params).token_ids  # no duplicate, none missing
-    assert len(outs) == 30  # one DELTA output per token
+    assert all(o.outputs[0].token_ids for o in outs)  # no empty DELTA output
     assert len(d2.engine.served) == 1 and retries(cluster, "migration") == 1
     text = "".join(c.text for o in outs for c in o.outputs)
     assert text == fake.reference(PROMPT, params).text
