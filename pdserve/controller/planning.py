@@ -49,6 +49,9 @@ class Planning:
         self.interval = interval
         self.clock = clock
         self.on_change = on_change
+        # `--placement slo`: the longest a prefill may pause the streams on its worker when
+        # another option avoids it (planner/placement.py).
+        self.max_stall_s: float | None = None
         self.pooled = CostModel(seed=self.profile)  # what the planner predicts with
         self.models: dict[str, CostModel] = {}  # each worker's own, for display
         self.memory = Memory()
@@ -105,7 +108,7 @@ class Planning:
                   for w in {w.id: w for w in [*decoders, *prefillers]}.values()]
         return place(Request(tokens, out, uncached), states, self.planner.slo,
                      local_prefill_threshold=threshold,
-                     handoff_in_ttft=self.planner.handoff_in_ttft)
+                     handoff_in_ttft=self.planner.handoff_in_ttft, max_stall_s=self.max_stall_s)
 
     # ---- the plan ---------------------------------------------------------------------------
 

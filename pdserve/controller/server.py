@@ -86,6 +86,11 @@ def add_pd_args(parser) -> None:
                         "disaggregated, and to the workers, that its predicted TTFT and the "
                         "TPOT of the streams already there best meet --slo with, from the "
                         "workers' live cost models (the route's reason says which)")
+    # 100: the pause the bench counts as one ("requests with a gap >= 100 ms").
+    g.add_argument("--max-stall", type=float, default=100.0, metavar="MS",
+                   help="with --placement slo: a prefill may pause the streams already on its "
+                        "worker (a local prefill, or a handoff from a worker on duty both) for "
+                        "at most this long, unless every option would (0: never pause them)")
     g.add_argument("--slo", nargs="+", default=["ttft:2000", "tpot:50"], metavar="NAME:MS",
                    help="the SLO the role planner (`--role auto` workers) and --placement slo "
                         "aim at: ttft:MS tpot:MS")
@@ -308,6 +313,7 @@ async def serve(args: argparse.Namespace) -> None:
     metrics.watch_planning(planning)
     if args.placement == "slo":
         controller.placer = planning
+        planning.max_stall_s = args.max_stall / 1e3
     planner_task = asyncio.create_task(planning.run(pool.changed))
     logger.info("pdserve controller %s: workers register at %s%s", pool.id, pool.address,
                 " (CurveZMQ)" if keys else "")

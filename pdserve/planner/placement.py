@@ -13,7 +13,10 @@ For each option the request's TTFT and the TPOT it leaves behind are predicted:
   from the prefill, the handoff gap is this request's own: handoff / (out-1).
 The option that meets both SLO terms with the most slack (on the binding term, then on the
 other) wins (`slo_local`, `slo_disagg`); when none meets it, the least violation
-(`least_violation`). `local_prefill_threshold`, when set, wins over all that
+(`least_violation`). With `max_stall_s`, an option whose prefill would pause the streams already
+on its worker for longer than that is taken only when every option would: TPOT is a mean, and a
+long prompt prefilled beside a few streams can meet it while pausing each of them for the whole
+prefill, the pause P/D exists to avoid. `local_prefill_threshold`, when set, wins over all that
 (`manual_threshold`): prompts under it go local, the rest disaggregated.
 
 Cost: O(workers log workers): every local option, and handoffs between the `shortlist` best prefill
@@ -22,6 +25,7 @@ candidates and the `shortlist` best decode candidates.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -74,6 +78,7 @@ class Placement:
     predicted_ttft: float  # seconds
     predicted_tpot: float  # seconds
     reason: str  # a stable metric label: slo_local, slo_disagg, least_violation, manual_threshold
+    stall_s: float = 0.0  # how long its prefill pauses the streams already on its worker
 
 
 def _queue_s(w: WorkerState) -> float:
@@ -108,8 +113,8 @@ class _Ctx:
         step = self.step_with_one_more(w)
         # Its own stream starts after its prefill; the streams already there wait for the
         # queued prefills and this one.
-        tpot = step + (queue + own) / self.gaps if w.running else step
-        return Placement(LOCAL, w.id, w.id, queue + own, tpot, "")
+        stall = queue + own if w.running else 0.0
+        return Placement(LOCAL, w.id, w.id, queue + own, step + stall / self.gaps, "", stall)
 
     def disagg(self, p: WorkerState, d: WorkerState) -> Placement:
         own = _prefill_s(p, self.req.new_tokens(p.id), self.chunk_tokens)
@@ -120,14 +125,16 @@ class _Ctx:
         tpot = step + _queue_s(d) / self.gaps
         if not self.handoff_in_ttft:
             tpot += handoff / self.gaps
-        if p.running:  # a `both` worker's streams wait for this prefill
-            tpot = max(tpot, p.costs.step_seconds(p.running, p.kv_tokens) + own / self.gaps)
-        return Placement(DISAGG, p.id, d.id, ttft, tpot, "")
+        stall = own if p.running else 0.0  # a `both` worker's streams wait for this prefill
+        if stall:
+            tpot = max(tpot, p.costs.step_seconds(p.running, p.kv_tokens) + stall / self.gaps)
+        return Placement(DISAGG, p.id, d.id, ttft, tpot, "", stall)
 
 
 def place(req: Request, workers: Sequence[WorkerState], slo: Slo, *,
           local_prefill_threshold: int | None = None, handoff_in_ttft: bool = False,
-          chunk_tokens: int = CHUNK_TOKENS, shortlist: int = 4) -> Placement | None:
+          chunk_tokens: int = CHUNK_TOKENS, shortlist: int = 4,
+          max_stall_s: float | None = None) -> Placement | None:
     """The placement for `req` among `workers` (None when no worker can decode)."""
     ctx = _Ctx(req, handoff_in_ttft, chunk_tokens)
     decoders = sorted((w for w in workers if w.decodes), key=lambda w: w.id)
@@ -137,6 +144,8 @@ def place(req: Request, workers: Sequence[WorkerState], slo: Slo, *,
     if local_prefill_threshold is not None:
         return _manual(ctx, prefillers, decoders, slo, local_prefill_threshold, shortlist)
     options = [ctx.local(w) for w in decoders] + _handoffs(ctx, prefillers, decoders, shortlist)
+    if max_stall_s is not None:
+        options = [o for o in options if o.stall_s <= max_stall_s] or options
     return _choose(options, slo)
 
 
@@ -181,5 +190,4 @@ def _manual(ctx: _Ctx, prefillers: list[WorkerState], decoders: list[WorkerState
 
 
 def _with(p: Placement, reason: str) -> Placement:
-    return Placement(p.kind, p.prefill_worker, p.decode_worker, p.predicted_ttft,
-                     p.predicted_tpot, reason)
+    return dataclasses.replace(p, reason=reason)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 import time
 
+import pytest
+
 from pdserve.planner.costmodel import Profile
 from pdserve.planner.placement import Request, Slo, WorkerState, place
 
@@ -65,6 +67,27 @@ def test_streams_on_the_decode_worker_make_a_prefill_go_elsewhere():
     assert idle.kind == "local"  # nobody to stall, and no handoff in its TTFT
     assert busy.kind == "disaggregated"  # its prefill would stall three streams ~0.17 s
     assert busy.predicted_tpot == P.step_seconds(4, 3000 + 1500 + OUT // 2)
+
+
+def test_a_bound_on_the_stall_keeps_a_long_prefill_off_a_decoding_worker():
+    # A long answer spreads a local prefill's stall thin in TPOT, and a costly handoff makes
+    # local the SLO's choice; the streams on the worker would still pause ~0.17 s each.
+    costly = Profile(prefill_base_s=0.01, prefill_per_token_s=1e-4, step_base_s=0.005,
+                     step_per_running_s=0.001, handoff_s=1.0)
+    workers = [WorkerState("p", "prefill", costly), WorkerState("d", "decode", costly, running=3)]
+    slo, req = Slo(ttft_ms=2000, tpot_ms=50), Request(1500, 1001)
+    free = place(req, workers, slo)
+    bound = place(req, workers, slo, max_stall_s=0.1)
+    assert free is not None and bound is not None
+    assert (free.kind, free.reason) == ("local", "slo_local")
+    assert free.stall_s == pytest.approx(costly.prefill_seconds(1500) + costly.step_seconds(3, 0))
+    assert (bound.kind, bound.reason, bound.stall_s) == ("disaggregated", "slo_disagg", 0.0)
+    # A short prompt's stall is under the bound: local still.
+    short = place(Request(100, 1001), workers, slo, max_stall_s=0.1)
+    assert short is not None and short.kind == "local" and 0 < short.stall_s < 0.1
+    # When every option would stall (one worker, both duties), the bound cannot be kept.
+    alone = place(req, [WorkerState("b", "both", costly, running=3)], slo, max_stall_s=0.1)
+    assert alone is not None and alone.kind == "local"
 
 
 def test_least_violation_when_nothing_meets_the_slo():

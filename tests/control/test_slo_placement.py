@@ -150,3 +150,17 @@ def test_a_prefill_workers_legs_are_not_streams_that_a_prefill_would_stall():
     assert placed is not None
     assert (placed.kind, placed.prefill_worker, placed.reason) == ("disaggregated", "p",
                                                                     "slo_disagg")
+
+
+def test_the_controllers_stall_bound_reaches_the_placement():
+    from pdserve.controller.registry import Registry, Worker
+    from pdserve.protocol import Role
+
+    p = Worker("p", Role.PREFILL, "127.0.0.1", 1, fake.fake_info(), b"p", 0.0, 0.0)
+    d = Worker("d", Role.DECODE, "127.0.0.1", 1, fake.fake_info(), b"d", 0.0, 0.0, inflight=2)
+    planning = Planning(Registry(), RolePlanner(Slo(2000, 50)), SLOW_HANDOFF)
+    free = planning.place(len(PROMPT), 10, [d], [p])
+    assert free is not None and free.kind == "local" and free.stall_s > 0.001
+    planning.max_stall_s = 0.001  # as `--max-stall 1` sets it
+    bound = planning.place(len(PROMPT), 10, [d], [p])
+    assert bound is not None and (bound.kind, bound.stall_s) == ("disaggregated", 0.0)
