@@ -49,8 +49,8 @@ class Planning:
         self.interval = interval
         self.clock = clock
         self.on_change = on_change
-        # `--placement slo`: the longest a prefill may pause the streams on its worker when
-        # another option avoids it (planner/placement.py).
+        # `--placement slo`: the longest pause a placement may put in a stream when another
+        # option avoids it (planner/placement.py).
         self.max_stall_s: float | None = None
         self.pooled = CostModel(seed=self.profile)  # what the planner predicts with
         self.models: dict[str, CostModel] = {}  # each worker's own, for display

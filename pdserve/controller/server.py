@@ -88,9 +88,9 @@ def add_pd_args(parser) -> None:
                         "workers' live cost models (the route's reason says which)")
     # 100: the pause the bench counts as one ("requests with a gap >= 100 ms").
     g.add_argument("--max-stall", type=float, default=100.0, metavar="MS",
-                   help="with --placement slo: a prefill may pause the streams already on its "
-                        "worker (a local prefill, or a handoff from a worker on duty both) for "
-                        "at most this long, unless every option would (0: never pause them)")
+                   help="with --placement slo: no placement may pause a stream for longer (a "
+                        "local prefill pauses its worker's streams, and those handed to it "
+                        "meanwhile), unless every option would")
     g.add_argument("--slo", nargs="+", default=["ttft:2000", "tpot:50"], metavar="NAME:MS",
                    help="the SLO the role planner (`--role auto` workers) and --placement slo "
                         "aim at: ttft:MS tpot:MS")

@@ -13,10 +13,10 @@ For each option the request's TTFT and the TPOT it leaves behind are predicted:
   from the prefill, the handoff gap is this request's own: handoff / (out-1).
 The option that meets both SLO terms with the most slack (on the binding term, then on the
 other) wins (`slo_local`, `slo_disagg`); when none meets it, the least violation
-(`least_violation`). With `max_stall_s`, an option whose prefill would pause the streams already
-on its worker for longer than that is taken only when every option would: TPOT is a mean, and a
-long prompt prefilled beside a few streams can meet it while pausing each of them for the whole
-prefill, the pause P/D exists to avoid. `local_prefill_threshold`, when set, wins over all that
+(`least_violation`). With `max_stall_s`, an option that would pause a stream for longer than that
+(`Placement.stall_s`) is taken only when every option would: TPOT is a mean, and a long prompt
+prefilled on a decode worker can meet it while every stream there, or handed to it meanwhile,
+waits for the whole prefill: the pause P/D exists to avoid. `local_prefill_threshold`, when set, wins over all that
 (`manual_threshold`): prompts under it go local, the rest disaggregated.
 
 Cost: O(workers log workers): every local option, and handoffs between the `shortlist` best prefill
@@ -78,7 +78,10 @@ class Placement:
     predicted_ttft: float  # seconds
     predicted_tpot: float  # seconds
     reason: str  # a stable metric label: slo_local, slo_disagg, least_violation, manual_threshold
-    stall_s: float = 0.0  # how long its prefill pauses the streams already on its worker
+    # The longest pause it puts in a stream: a local prefill pauses every stream on its worker
+    # (those there now and those handed to it meanwhile); a handoff from a `both` worker pauses
+    # that worker's streams, and the new stream waits for its decode worker's queued prefills.
+    stall_s: float = 0.0
 
 
 def _queue_s(w: WorkerState) -> float:
@@ -114,7 +117,9 @@ class _Ctx:
         # Its own stream starts after its prefill; the streams already there wait for the
         # queued prefills and this one.
         stall = queue + own if w.running else 0.0
-        return Placement(LOCAL, w.id, w.id, queue + own, step + stall / self.gaps, "", stall)
+        # The pause counts even with no stream there now: one handed to it meanwhile waits too.
+        return Placement(LOCAL, w.id, w.id, queue + own, step + stall / self.gaps, "",
+                         queue + own)
 
     def disagg(self, p: WorkerState, d: WorkerState) -> Placement:
         own = _prefill_s(p, self.req.new_tokens(p.id), self.chunk_tokens)
@@ -128,7 +133,8 @@ class _Ctx:
         stall = own if p.running else 0.0  # a `both` worker's streams wait for this prefill
         if stall:
             tpot = max(tpot, p.costs.step_seconds(p.running, p.kv_tokens) + stall / self.gaps)
-        return Placement(DISAGG, p.id, d.id, ttft, tpot, "", stall)
+        # This stream's own pause after its first token: the decode worker's queued prefills.
+        return Placement(DISAGG, p.id, d.id, ttft, tpot, "", max(stall, _queue_s(d)))
 
 
 def place(req: Request, workers: Sequence[WorkerState], slo: Slo, *,

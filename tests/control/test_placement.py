@@ -82,6 +82,16 @@ def test_a_bound_on_the_stall_keeps_a_long_prefill_off_a_decoding_worker():
     assert (free.kind, free.reason) == ("local", "slo_local")
     assert free.stall_s == pytest.approx(costly.prefill_seconds(1500) + costly.step_seconds(3, 0))
     assert (bound.kind, bound.reason, bound.stall_s) == ("disaggregated", "slo_disagg", 0.0)
+    # An idle decode worker too: a stream handed to it during the prefill would wait for it.
+    idle = [WorkerState("p", "prefill", costly), WorkerState("d", "decode", costly)]
+    unbound, bound_idle = place(req, idle, slo), place(req, idle, slo, max_stall_s=0.1)
+    assert unbound is not None and bound_idle is not None
+    assert (unbound.kind, bound_idle.kind) == ("local", "disaggregated")
+    # A handoff's own pause: local prefills queued on its decode worker.
+    queued = [WorkerState("p", "prefill", costly),
+              WorkerState("d", "decode", costly, queued_prefill_tokens=3000)]
+    behind = place(Request(50, 1001), queued, slo, max_stall_s=0.1)
+    assert behind is not None and behind.stall_s >= costly.prefill_seconds(3000)
     # A short prompt's stall is under the bound: local still.
     short = place(Request(100, 1001), workers, slo, max_stall_s=0.1)
     assert short is not None and short.kind == "local" and 0 < short.stall_s < 0.1
