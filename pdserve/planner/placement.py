@@ -16,8 +16,8 @@ other) wins (`slo_local`, `slo_disagg`); when none meets it, the least violation
 (`least_violation`). With `max_stall_s`, an option that would pause a stream for longer than that
 (`Placement.stall_s`) is taken only when every option would: TPOT is a mean, and a long prompt
 prefilled on a decode worker can meet it while every stream there, or handed to it meanwhile,
-waits for the whole prefill: the pause P/D exists to avoid. `local_prefill_threshold`, when set, wins over all that
-(`manual_threshold`): prompts under it go local, the rest disaggregated.
+waits for the whole prefill: the pause P/D exists to avoid. `local_prefill_threshold`, when set,
+wins over all that (`manual_threshold`): prompts under it go local, the rest disaggregated.
 
 Cost: O(workers log workers): every local option, and handoffs between the `shortlist` best prefill
 candidates and the `shortlist` best decode candidates.
