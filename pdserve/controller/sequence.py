@@ -77,11 +77,6 @@ class Settings:
     prefill_policy: str = "least_loaded"
     decode_policy: str = "least_loaded"
     local_prefill_threshold: int = 0  # contexts shorter than this are prefilled by decode
-    # "rules": the decode policy picks the worker, then the rules of `_local_reason` decide
-    # local or not and the prefill policy picks the prefill worker. "slo": the controller's
-    # Planning places each request from its cost models against the SLO (planner/placement.py;
-    # a set local_prefill_threshold then overrides only the local-or-not choice).
-    placement: str = "rules"
     # A context the chosen decode worker's engine partly holds (the KV index says so), with
     # fewer than this many tokens left to compute, is prefilled there: the handoff is skipped.
     skip_handoff_below: int = 0
@@ -149,7 +144,10 @@ class Sequence:
                  request_id: str, prompt: list[int], params, stream: Stream, index: int = 0,
                  observer: Observer | None = None, placer: Placer | None = None):
         self.pool = pool
-        self.placer = placer  # with placement "slo": where each attempt goes
+        # `--placement slo`: where each attempt goes (planner/placement.py; a set
+        # local_prefill_threshold then decides only local or not). None: the rules
+        # (`_by_rules`: the decode policy, `_local_reason`, the prefill policy).
+        self.placer = placer
         self.prefill_policy = prefill
         self.decode_policy = decode
         self.s = settings

@@ -176,7 +176,6 @@ def settings_from(args) -> Settings:
                                       getattr(args, "max_num_queued_reqs", None))
     return Settings(prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
                     local_prefill_threshold=args.local_prefill_threshold,
-                    placement=args.placement,
                     skip_handoff_below=args.skip_handoff_below,
                     queue_timeout=args.queue_timeout, prefill_timeout=args.prefill_timeout,
                     token_timeout=args.token_timeout, max_retries=args.max_retries,

@@ -27,7 +27,7 @@ SLOW_PREFILL = Profile(prefill_base_s=0.01, prefill_per_token_s=1e-3, step_base_
 
 
 async def slo_cluster(make_cluster, profile: Profile, slo: Slo = Slo(2000, 50), **settings):
-    c = await make_cluster(settings=fast_settings(placement="slo", **settings))
+    c = await make_cluster(settings=fast_settings(**settings))
     p = Planning(c.pool.registry, RolePlanner(slo), profile, interval=1.0)
     c.controller.metrics.watch_planning(p)
     c.controller.placer = p
