@@ -78,8 +78,8 @@ def parse_configs(spec: str) -> list[Config]:
     """`1P1D,2P1D@0,1P1D@0:decode-first,colocated,2auto`: `@T` sets the controller's
     local-prefill threshold (`@0`: every prompt goes through the KV handoff), `:decode-first` its
     `--first-token decode`, `:blind`, `:prefix` or `:kv` its routing (ROUTING), `:slo` its
-    `--placement slo`; `Nauto` is N workers of role auto; `colocated` has as many engines as the largest XpYd or Nauto listed
-    (2 if none); `colocatedN` sets N."""
+    `--placement slo`; `Nauto` is N workers of role auto; `colocated` has as many engines as the
+    largest XpYd or Nauto listed (2 if none); `colocatedN` sets N."""
     names = [s.strip() for s in spec.split(",") if s.strip()]
     out: list[Config | str] = []
     for name in names:

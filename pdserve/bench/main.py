@@ -58,10 +58,9 @@ def make_parser() -> argparse.ArgumentParser:
                         "comma-separated. @T: the controller's --local-prefill-threshold (@0: "
                         "every prompt handed over); :decode-first: its --first-token decode; "
                         ":slo: its --placement slo (with the planner's arguments); Nauto: N "
-                        "workers of "
-                        "role auto, their duties chosen by the controller's planner for the "
-                        "bench's --slo; colocated: the same number of engines as the largest "
-                        "XpYd or Nauto, each serving whole requests")
+                        "workers of role auto, their duties chosen by the controller's planner "
+                        "for the bench's --slo; colocated: the same number of engines as the "
+                        "largest XpYd or Nauto, each serving whole requests")
     p.add_argument("--rates", default="1,2,4", type=checked(workload.parse_rates),
                    help="request rates (req/s), comma-separated: one run each; or a schedule "
                         "RATE:SECONDS,... (e.g. 1:60,6:60,2:60): one run whose rate changes, "

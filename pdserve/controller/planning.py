@@ -10,8 +10,8 @@ Every `interval` seconds a `Planning`:
    the predictions behind it and counted (`pdserve_role_changes_total{why}`).
 
 It also exports the planner's desired workers per role (`pdserve_planner_desired_workers`), the
-autoscaling signal, and, with `--placement slo`, places each request (`place`) from the same cost
-models. Each controller plans for itself from what it sees; with several, each
+autoscaling signal, and, with `--placement slo`, places each request (`place`) from the same
+cost models. Each controller plans for itself from what it sees; with several, each
 sees its share of the requests (see docs/architecture.md).
 """
 

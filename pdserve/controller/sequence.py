@@ -308,12 +308,11 @@ class Sequence:
         assert self.placer is not None
         decoders = self._untried(await self._ready(Role.DECODE))
         prefillers = self._untried(self.pool.registry.ready(Role.PREFILL))
-        everyone = list({w.id: w for w in [*decoders, *prefillers]}.values())
-        cached = self._cached(a.ctx, everyone) or {}
+        workers = {w.id: w for w in [*decoders, *prefillers]}
+        cached = self._cached(a.ctx, list(workers.values())) or {}
         placed = self.placer.place(len(a.ctx), a.left, decoders, prefillers, cached,
                                    threshold=self.s.local_prefill_threshold or None)
         assert placed is not None  # there are decoders
-        workers = {w.id: w for w in everyone}
         d, p = workers[placed.decode_worker], workers[placed.prefill_worker]
         self.route.placed(len(a.ctx), d.id, cached.get(d.id))
         # The policies that learn where prompts went keep learning.

@@ -110,10 +110,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _rates(text: str) -> frozenset[float]:
-    try:
-        return frozenset(float(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise ValueError(f"--hold-out takes rates such as 4,6, not {text!r}") from None
+    rates = workload.parse_rates(text) if text.strip() else []
+    if not isinstance(rates, list):
+        raise ValueError(f"--hold-out takes rates such as 4,6, not a schedule ({text!r})")
+    return frozenset(rates)
 
 
 def _slo(pairs: list[str]) -> Slo:
