@@ -193,6 +193,7 @@ class FakeEngine:
         self._active: dict[str, int] = {}  # request id -> blocks in use
         self._aborted: set[str] = set()
         self.served: list[str] = []  # request ids that reached this engine, in order
+        self.received: list[tuple[list[int], Any]] = []  # their (prompt, sampling params)
         self.kv_reads = 0
         self.kv_read_tokens = 0  # tokens whose KV this engine read from prefill engines
         self.cache = FakePrefixCache(self.info.block_size, num_blocks,
@@ -272,6 +273,7 @@ class FakeEngine:
         self._expire()
         self._active[request_id] = self._blocks(len(prompt))
         self.served.append(request_id)
+        self.received.append((prompt, p))
         sampler = _Sampler(p, self.eos_token_id, self.vocab_size)
         context = list(prompt)
         try:

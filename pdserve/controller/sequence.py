@@ -10,14 +10,17 @@ prefill-side blocks that no decode will read.
 
 First token: the prefill worker samples the request's first token; it is streamed at once (or,
 with `first_token="decode"`, together with the decode worker's first output). The decode worker
-is given the same context (never context + that token: a context ending on a block boundary
-would then need one more block than the prefill worker holds, which vLLM's NIXL reader asserts
-against), recomputes the last position from the transferred KV and draws that position again,
-forced to the streamed token (`Generate.forced_tokens`, worker/first_token.py); its copy is
-dropped. Nothing is seeded by pdserve: a per-request generator kills a CPU engine when a chunked
-prefill's sample is discarded (vLLM 0.32). A request with its own seed is the exception: its
-prefill only computes the KV, and the decode worker draws the first token with the request's
-generator, so seeded output equals one engine's (TTFT then includes the handoff).
+is then given the context plus that token, reads the KV of the context (no further: the
+connector caps its read at what the prefill computed, kv/cpu_nixl.py), computes the token's
+position and samples the next, so its first output is the stream's second token. Where the
+engine must see the token as an output (stop strings, penalties, grammars, a token without its
+whole text: `_extends`) it is given the same context instead, recomputes the last position and
+draws it again, forced to the streamed token (`Generate.forced_tokens`, worker/first_token.py);
+that copy is dropped, at the cost of one decode step. Nothing is seeded by pdserve: a
+per-request generator kills a CPU engine when a chunked prefill's sample is discarded (vLLM
+0.32). A request with its own seed is the exception: its prefill only computes the KV, and the
+decode worker draws the first token with the request's generator, so seeded output equals one
+engine's (TTFT then includes the handoff).
 """
 
 from __future__ import annotations
@@ -165,6 +168,7 @@ class Sequence:
         self._tag = uuid.uuid4().hex[:8]
         self.failed_on: set[str] = set()  # workers that failed this sequence: tried last
         self._streamed_text = ""  # text of the prefill's token, which decode reproduces
+        self._given_logprob = 0.0  # of the prefill's token, when decode has it as context
         self._text_upto = 0  # leading tokens of the stream whose text the client has
         self.route: Route = new_route()  # where it went and why (receipts.py)
         self._keys: tuple[int, list[int]] | None = None  # (context length, its block keys)
@@ -336,7 +340,7 @@ class Sequence:
         # vLLM's detokenizer send the whole context as text (vllm-project/vllm#48853).
         keep = min(self._text_upto, len(done))
         first_attempt = not done and self.failures == 0
-        self._streamed_text = ""
+        self._streamed_text, self._given_logprob = "", 0.0
         return _Plan(ctx=self.prompt + done[:keep], replay=list(done[keep:]),
                      left=self.params.max_tokens - keep,
                      min_left=max(0, (self.params.min_tokens or 0) - keep),
@@ -381,7 +385,7 @@ class Sequence:
         self.route.prefill = p.id
         first, kv, leg = await self._prefill(p, a)
         self._clock = HandoffClock(prefill_out=time.monotonic())
-        held, forced = None, list(a.replay)
+        held, forced, ctx = None, list(a.replay), a.ctx
         if first is not None:  # the prefill drew the first token
             ends_here = first.finish_reason is not None and (first.finish_reason != "length"
                                                              or a.left <= 1)
@@ -400,10 +404,14 @@ class Sequence:
             if ends_here:
                 self._release_pending()
                 return
-            self._streamed_text = first.text
+            if kv is not None and _extends(a, first, kv, self.params):
+                ctx, forced = a.ctx + first.token_ids, []
+                self._given_logprob = first.cumulative_logprob or 0.0
+            else:
+                self._streamed_text = first.text
         if kv is None:
             raise WorkerFailed(f"prefill worker {p.id} returned no KV-transfer parameters")
-        async for _ in self._handoff(a, d, kv, forced, held):
+        async for _ in self._handoff(a, d, kv, forced, held, ctx):
             yield
 
     async def _prefill(self, p: Worker, a: _Plan,
@@ -435,9 +443,10 @@ class Sequence:
         return first, kv, leg
 
     async def _handoff(self, a: _Plan, d: Worker, kv: dict, forced: list[int],
-                       held: SeqDelta | None) -> AsyncIterator[None]:
-        """Decode worker `d` (another, if it is gone meanwhile) pulls the KV, redraws `forced`
-        (dropped here) and decodes on."""
+                       held: SeqDelta | None, ctx: list[int]) -> AsyncIterator[None]:
+        """Decode worker `d` (another, if it is gone meanwhile) pulls the KV of `ctx` (the
+        prefill's context, or that and its token), redraws `forced` (dropped here) and decodes
+        on."""
         self.state = State.HANDOFF
         if d not in self.pool.registry.ready(Role.DECODE):
             d, cached = await self._choose(Role.DECODE, self.decode_policy, a.ctx)
@@ -445,9 +454,10 @@ class Sequence:
         # Without the prefill's own cache-hit count, vLLM reports on the decode side what it
         # did not compute: the tokens whose KV it received (plus its own prefix-cache hits).
         handoff = {k: v for k, v in kv.items() if k != "remote_prefill_cached_tokens"}
-        leg = self._send(d, Phase.DECODE, a.ctx, leg_params(
-            self.params, max_tokens=a.left, min_tokens=a.min_left, prompt_logprobs=False),
-            kv_transfer_params=handoff, forced=forced)
+        given = len(ctx) - len(a.ctx)  # tokens already drawn that are context, not output
+        leg = self._send(d, Phase.DECODE, ctx, leg_params(
+            self.params, max_tokens=a.left - given, min_tokens=max(0, a.min_left - given),
+            prompt_logprobs=False), kv_transfer_params=handoff, forced=forced)
         if self._clock is not None:
             self._clock.decode_sent = time.monotonic()
         self.pending_kv = None  # the decode worker now owns the handoff
@@ -563,6 +573,8 @@ class Sequence:
             for d in out.seqs:
                 if skip or self._streamed_text:
                     d = self._drop_seen(d, skip, leg)
+                if self._given_logprob and d.cumulative_logprob is not None:
+                    d.cumulative_logprob += self._given_logprob  # its sum omits the token
                 self._add(d)
                 n += len(d.token_ids)
                 changed = changed or bool(d.token_ids or d.text or d.finish_reason)
@@ -646,6 +658,19 @@ class Sequence:
         if not self.pool.release_kv(kv, self._leg_id("r")):
             logger.warning("request %s: no decode worker to release %s's blocks yet; retried "
                            "when one is ready", self.request_id, p.id)
+
+
+def _extends(a: _Plan, first: SeqDelta, kv: dict, params) -> bool:
+    """Whether the decode worker may take the prefill's token as context instead of drawing it
+    again: it then computes only that token's position and samples the next one, a step sooner.
+    Only when nothing the engine does depends on the token being an output (stop strings span
+    outputs, penalties and grammars count them), when its text is whole (a context ending
+    inside a character breaks vLLM's detokenizer), and when the prefill says how many tokens
+    its KV covers (the decode connector reads no further: kv/cpu_nixl.py)."""
+    return (not a.replay and len(first.token_ids) == 1 and bool(first.text)
+            and kv.get("remote_num_tokens") == len(a.ctx)
+            and not (params.stop or params.presence_penalty or params.frequency_penalty
+                     or params.bad_words or params.structured_outputs is not None))
 
 
 def _merge(deltas: list[SeqDelta]) -> SeqDelta:

@@ -89,6 +89,14 @@ class PDCpuNixlConnector(NixlPullConnector):
         count, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
         params = request.kv_transfer_params
         if params and params.get("do_remote_prefill"):
+            # Read no further than the prefill computed. vLLM's reader asks for the whole
+            # prompt, but a decode leg whose context is the prompt plus the prefill's sampled
+            # token (controller/sequence.py) has one position more: its KV is computed here,
+            # where that token is sampled from, so the next token comes a step sooner.
+            held = params.get("remote_num_tokens")
+            if count and held:
+                count = max(0, min(count, held - num_computed_tokens))
+                is_async = is_async and count > 0
             # vLLM's reader pulls only the blocks past the engine's own prefix-cache hit.
             self._reads[request.request_id] = [num_computed_tokens, count or 0, 0.0, 0.0]
         return count, is_async

@@ -8,6 +8,7 @@ from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
 from pdserve import fake
+from pdserve.worker.engine import FORCED_TOKENS_ARG
 
 PROMPT = list(range(100, 140))  # 40 tokens: two full 16-token blocks and a partial one
 DELTA, CUMULATIVE, FINAL = (RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE,
@@ -249,4 +250,30 @@ async def test_concurrent_requests_reusing_one_request_id_do_not_mix(pd):
                                           pd.run(b, greedy(10), "same"))
     assert final_tokens(outs_a) == fake.reference(a, greedy(10)).token_ids
     assert final_tokens(outs_b) == fake.reference(b, greedy(10)).token_ids
+    await pd.assert_clean()
+
+
+async def test_decode_worker_continues_from_the_prefills_token(pd):
+    """It is given the prompt and the streamed token as its context, with nothing to draw
+    again, so its first output is the stream's second token."""
+    _, d = pd.engines()
+    outs = await pd.run(PROMPT, sampled(8, DELTA))
+    tokens = final_tokens(outs, DELTA)
+    assert len(tokens) == 8
+    [(context, params)] = d.received
+    assert context == PROMPT + tokens[:1]
+    assert params.max_tokens == 7 and not (params.extra_args or {}).get(FORCED_TOKENS_ARG)
+    await pd.assert_clean()
+
+
+async def test_a_stop_string_makes_the_decode_worker_draw_the_token_again(pd):
+    """A stop string may span the prefill's token and the next: the decode engine must see the
+    token as an output, so it gets the prompt alone and draws the token again, forced."""
+    _, d = pd.engines()
+    outs = await pd.run(PROMPT, sampled(8, DELTA, stop=["never-in-the-text"]))
+    tokens = final_tokens(outs, DELTA)
+    assert len(tokens) == 8
+    [(context, params)] = d.received
+    assert context == PROMPT
+    assert params.max_tokens == 8 and params.extra_args[FORCED_TOKENS_ARG] == tokens[:1]
     await pd.assert_clean()
