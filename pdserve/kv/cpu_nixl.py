@@ -65,11 +65,20 @@ def _sleepy_progress_thread() -> Iterator[None]:
         bind.nixlAgent = original
 
 
+# How long an engine step that ran no model may wait for the KV reads in flight before it
+# reports what is done. vLLM's engine notices a finished read only at the end of a step and
+# sleeps 1 ms after every step that ran no model, so a read that lands just after the check
+# costs that sleep and another step; most land within a millisecond of being posted.
+READ_WAIT_S = int(os.environ.get("PDSERVE_NIXL_READ_WAIT_US", "1000")) / 1e6
+_POLL_S = 50e-6
+
+
 class PDCpuNixlConnector(NixlPullConnector):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any):
         # Decode side (scheduler): request id -> [tokens its prefix cache had, tokens to read,
         # when the read was asked for, when it was done] (protocol.KV_READ_STATS).
         self._reads: dict[str, list[float]] = {}
+        self._wait_for_reads = False  # worker side: this step ran no model, so it may wait
         if role != KVConnectorRole.WORKER or not current_platform.is_cpu():
             super().__init__(vllm_config, role, kv_cache_config)
             return
@@ -82,6 +91,33 @@ class PDCpuNixlConnector(NixlPullConnector):
             "pdserve CPU NIXL connector: progress thread polls every %d us, affinity kept at %s",
             PROGRESS_DELAY_US, sorted(affinity),
         )
+
+    # ---- a read that lands within the step is reported by it (worker side, CPU) ------------
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        # vLLM runs a step without a model (no attention metadata) only to move KV.
+        self._wait_for_reads = (current_platform.is_cpu() and READ_WAIT_S > 0
+                                and getattr(forward_context, "attn_metadata", None) is None)
+        super().start_load_kv(forward_context, **kwargs)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        if self._wait_for_reads:
+            self._until_reads_land(time.monotonic() + READ_WAIT_S)
+        return super().get_transfer_results(finished_req_ids)
+
+    def _until_reads_land(self, deadline: float) -> None:
+        """Poll the reads in flight until none is in progress, or the deadline."""
+        worker = self.connector_worker
+        transfers = getattr(worker, "_recving_transfers", None)
+        while transfers and time.monotonic() < deadline:
+            try:
+                busy = any(worker.nixl_wrapper.check_xfer_state(h) == "PROC"
+                           for handles in transfers.values() for h in handles)
+            except Exception:  # a failed transfer: vLLM's own check reports it
+                return
+            if not busy:
+                return
+            time.sleep(_POLL_S)
 
     # ---- what a decode read moved (scheduler side), reported with the request's end --------
 
