@@ -385,34 +385,40 @@ class Sequence:
         self.route.prefill = p.id
         first, kv, leg = await self._prefill(p, a)
         self._clock = HandoffClock(prefill_out=time.monotonic())
-        held, forced, ctx = None, list(a.replay), a.ctx
-        if first is not None:  # the prefill drew the first token
-            ends_here = first.finish_reason is not None and (first.finish_reason != "length"
-                                                             or a.left <= 1)
-            if not ends_here:
-                first.finish_reason = first.stop_reason = None
-            forced = list(first.token_ids) + a.replay[len(first.token_ids):]
-            if a.replay:
-                first = self._drop_seen(first, list(a.replay), leg)  # keep its text only
-            if ends_here or self.s.first_token != "decode":
-                self._add(first)
-                self.obs.tokens(len(first.token_ids))
+        if first is None:  # a seeded request: the decode worker draws the first token
+            async for _ in self._handoff(a, d, self._kv(kv, p), list(a.replay), a.ctx):
                 yield
-                self._check_aborted()
-            else:
-                held = first  # goes out with the decode worker's first output
-            if ends_here:
-                self._release_pending()
-                return
-            if kv is not None and _extends(a, first, kv, self.params):
-                ctx, forced = a.ctx + first.token_ids, []
-                self._given_logprob = first.cumulative_logprob or 0.0
-            else:
-                self._streamed_text = first.text
+            return
+        ends_here = first.finish_reason is not None and (first.finish_reason != "length"
+                                                         or a.left <= 1)
+        if not ends_here:
+            first.finish_reason = first.stop_reason = None
+        forced = list(first.token_ids) + a.replay[len(first.token_ids):]
+        if a.replay:
+            first = self._drop_seen(first, list(a.replay), leg)  # keep its text only
+        if ends_here:
+            self._emit(first)
+            yield
+            self._check_aborted()
+            self._release_pending()
+            return
+        kv, ctx = self._kv(kv, p), a.ctx
+        if _extends(a, first, kv, self.params):
+            ctx, forced = a.ctx + first.token_ids, []
+            self._given_logprob = first.cumulative_logprob or 0.0
+        else:
+            self._streamed_text = first.text
+        # The token goes out at once (with --first-token decode, with the decode worker's first
+        # output), once the decode leg is on its way: the handoff does not wait for the chunk.
+        held = first if self.s.first_token == "decode" else None
+        async for _ in self._handoff(a, d, kv, forced, ctx, held=held,
+                                     now=None if held else first):
+            yield
+
+    def _kv(self, kv: dict | None, p: Worker) -> dict:
         if kv is None:
             raise WorkerFailed(f"prefill worker {p.id} returned no KV-transfer parameters")
-        async for _ in self._handoff(a, d, kv, forced, held, ctx):
-            yield
+        return kv
 
     async def _prefill(self, p: Worker, a: _Plan,
                        ) -> tuple[SeqDelta | None, dict | None, Leg]:
@@ -442,13 +448,20 @@ class Sequence:
         first = None if own_draw(self.params) else _merge([d for o in outs for d in o.seqs])
         return first, kv, leg
 
-    async def _handoff(self, a: _Plan, d: Worker, kv: dict, forced: list[int],
-                       held: SeqDelta | None, ctx: list[int]) -> AsyncIterator[None]:
+    async def _handoff(self, a: _Plan, d: Worker, kv: dict, forced: list[int], ctx: list[int],
+                       held: SeqDelta | None = None, now: SeqDelta | None = None,
+                       ) -> AsyncIterator[None]:
         """Decode worker `d` (another, if it is gone meanwhile) pulls the KV of `ctx` (the
         prefill's context, or that and its token), redraws `forced` (dropped here) and decodes
-        on."""
+        on. `now`, the prefill's token, is streamed as soon as the decode leg is sent (first,
+        if another decode worker must be waited for); `held` goes out with its first output."""
         self.state = State.HANDOFF
         if d not in self.pool.registry.ready(Role.DECODE):
+            if now is not None:
+                self._emit(now)
+                yield
+                self._check_aborted()
+                now = None
             d, cached = await self._choose(Role.DECODE, self.decode_policy, a.ctx)
             self.route.decode, self.route.decode_cached = d.id, cached
         # Without the prefill's own cache-hit count, vLLM reports on the decode side what it
@@ -462,6 +475,10 @@ class Sequence:
             self._clock.decode_sent = time.monotonic()
         self.pending_kv = None  # the decode worker now owns the handoff
         try:
+            if now is not None:
+                self._emit(now)
+                yield
+                self._check_aborted()
             async for _ in self._relay(leg, "KV handoff", first_timeout=self.s.token_timeout,
                                        skip=forced, held=held):
                 yield
@@ -610,6 +627,11 @@ class Sequence:
             if phases is not None:
                 self.obs.handoff_phases(phases)
             self._clock = None
+
+    def _emit(self, d: SeqDelta) -> None:
+        """The prefill's token into the stream, for the caller's next yield."""
+        self._add(d)
+        self.obs.tokens(len(d.token_ids))
 
     def _add(self, d: SeqDelta) -> None:
         self.stream.add(d, self.index)

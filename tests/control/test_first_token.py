@@ -13,29 +13,38 @@ PROMPT = list(range(300, 345))
 DELTA = RequestOutputKind.DELTA
 
 
-async def first_output_and_decode_state(cluster, params):
-    """The stream's outputs, and whether the decode worker had the request when the first
-    output reached the client."""
-    _, d = cluster.engines()
-    seen = []
-    outs = []
-    async for o in cluster.controller.generate(
-            {"type": "token", "prompt_token_ids": PROMPT}, params, "ft-1"):
-        if not outs:
-            seen.append(len(d.served))
-        outs.append(o)
-    return outs, seen[0]
+async def first_output(cluster, params):
+    """The stream's first output (waiting at most 5 s for it), and the rest of the stream."""
+    import asyncio
+
+    stream = aiter(cluster.controller.generate(
+        {"type": "token", "prompt_token_ids": PROMPT}, params, "ft-1"))
+    first = await asyncio.wait_for(anext(stream), 5)
+    return first, stream
 
 
-@pytest.mark.parametrize("mode, decode_started_first", [("prefill", 0), ("decode", 1)])
-async def test_when_the_first_token_reaches_the_client(make_cluster, mode, decode_started_first):
-    c = await make_cluster(settings=fast_settings(first_token=mode))
+async def test_the_prefills_token_does_not_wait_for_the_decode_worker(make_cluster):
+    """By default the first token reaches the client while the decode worker has produced
+    nothing; its leg was sent before the token went out."""
+    c = await make_cluster(settings=fast_settings(first_token="prefill"))
+    await c.add("prefill")
+    [d] = await c.add("decode", stall_after_tokens=0)  # pulls the KV, then never answers
+    first, stream = await first_output(c, greedy(8, DELTA))
+    assert first.outputs[0].token_ids == fake.reference(PROMPT, greedy(8)).token_ids[:1]
+    assert c.controller.pool.registry.workers[d.worker_id].inflight == 1  # the decode leg
+    await stream.aclose()
+    await c.assert_clean()
+
+
+async def test_with_first_token_decode_it_goes_out_with_the_decode_workers_first(make_cluster):
+    c = await make_cluster(settings=fast_settings(first_token="decode"))
     await c.add("prefill")
     await c.add("decode")
     params = greedy(8, DELTA)
-    outs, decode_had_it = await first_output_and_decode_state(c, params)
-    assert decode_had_it == decode_started_first
+    first, stream = await first_output(c, params)
+    outs = [first] + [o async for o in stream]
     ref = fake.reference(PROMPT, params)
+    assert len(first.outputs[0].token_ids) >= 2  # the prefill's token and the decode's first
     assert final_tokens(outs, DELTA) == ref.token_ids  # no token lost or repeated
     assert "".join(x.text for o in outs for x in o.outputs) == ref.text
     await c.assert_clean()
