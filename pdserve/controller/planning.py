@@ -104,7 +104,8 @@ class Planning:
                          self.models.get(w.id, self.pooled),
                          queued_prefill_tokens=w.queued_prefill_tokens,
                          # A prefill worker's requests are prefills, not streams to stall.
-                         running=max(w.load.running, w.inflight) if w.id in decodes else 0)
+                         running=(max(w.load.running, w.inflight + w.reserved)
+                                  if w.id in decodes else 0))
                   for w in {w.id: w for w in [*decoders, *prefillers]}.values()]
         return place(Request(tokens, out, uncached), states, self.planner.slo,
                      local_prefill_threshold=threshold,

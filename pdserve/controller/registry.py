@@ -51,6 +51,9 @@ class Worker:
     state: WorkerState = WorkerState.READY
     load: Load = field(default_factory=Load)
     inflight: int = 0  # this controller's requests on the worker right now
+    # Decode streams this controller has chosen it for whose prompts are still being prefilled
+    # elsewhere: requests arriving together see each other's choice before any leg is sent.
+    reserved: int = 0
     # Prompt tokens this controller sent it to prefill that have not produced output yet (its
     # prefill queue as seen from here: what `--placement slo` predicts a prefill's wait from).
     queued_prefill_tokens: int = 0
@@ -75,8 +78,9 @@ class Worker:
         return self.duty.serves(side)
 
     def score(self) -> float:
-        """Load as seen from here: the engine's last report plus what we sent since."""
-        return self.load.running + self.load.waiting + self.inflight
+        """Load as seen from here: the engine's last report plus what we sent since, and the
+        decode legs we are about to send."""
+        return self.load.running + self.load.waiting + self.inflight + self.reserved
 
     def as_json(self, now: float) -> dict:
         return {
@@ -92,6 +96,7 @@ class Worker:
             "waiting": self.load.waiting,
             "kv_usage": round(self.load.kv_usage, 4),
             "inflight": self.inflight,
+            "reserved": self.reserved,
             "queued_prefill_tokens": self.queued_prefill_tokens,
             "legs_total": self.legs_total,
             "pid": self.pid,

@@ -174,6 +174,7 @@ class Sequence:
         self._keys: tuple[int, list[int]] | None = None  # (context length, its block keys)
         self._ctx: list[int] = prompt  # this attempt's context
         self._clock: HandoffClock | None = None  # the handoff in progress, for its phases
+        self._reserved: Worker | None = None  # the decode worker counting this prefill's stream
 
     # ---- public ----------------------------------------------------------------------------
 
@@ -295,9 +296,16 @@ class Sequence:
             d, p, reason = await self._placed(a)
         else:
             d, p, reason = await self._by_rules(a)
-        steps = self._local(a, d, reason) if p is d else self._disaggregated(a, d, p, reason)
-        async for _ in steps:
-            yield
+        if p is d:
+            async for _ in self._local(a, d, reason):
+                yield
+            return
+        self._reserve(d)
+        try:
+            async for _ in self._disaggregated(a, d, p, reason):
+                yield
+        finally:
+            self._unreserve()
 
     async def _by_rules(self, a: _Plan) -> tuple[Worker, Worker | None, str]:
         """(decode worker, prefill worker: itself when local, None to choose later, reason)."""
@@ -467,6 +475,7 @@ class Sequence:
         # Without the prefill's own cache-hit count, vLLM reports on the decode side what it
         # did not compute: the tokens whose KV it received (plus its own prefix-cache hits).
         handoff = {k: v for k, v in kv.items() if k != "remote_prefill_cached_tokens"}
+        self._unreserve()  # the leg counts from here on
         given = len(ctx) - len(a.ctx)  # tokens already drawn that are context, not output
         leg = self._send(d, Phase.DECODE, ctx, leg_params(
             self.params, max_tokens=a.left - given, min_tokens=max(0, a.min_left - given),
@@ -627,6 +636,16 @@ class Sequence:
             if phases is not None:
                 self.obs.handoff_phases(phases)
             self._clock = None
+
+    def _reserve(self, d: Worker) -> None:
+        """Count the stream on decode worker `d` while its prompt is prefilled elsewhere."""
+        d.reserved += 1
+        self._reserved = d
+
+    def _unreserve(self) -> None:
+        if self._reserved is not None:
+            self._reserved.reserved = max(0, self._reserved.reserved - 1)
+            self._reserved = None
 
     def _emit(self, d: SeqDelta) -> None:
         """The prefill's token into the stream, for the caller's next yield."""

@@ -135,13 +135,16 @@ class Cluster:
                   if w.queued_prefill_tokens}
         if queued:
             out.append(f"controller prefill queues {queued}")
+        reserved = {w.id: w.reserved for w in self.pool.registry.workers.values() if w.reserved}
+        if reserved:
+            out.append(f"controller decode reservations {reserved}")
         if self.controller.active:
             out.append(f"controller requests {list(self.controller.active)}")
         return out
 
     async def assert_clean(self, timeout: float = 5.0) -> None:
         """Nothing stranded anywhere: no request on any engine, no held KV, no legs, no prefill
-        counted as queued on a worker."""
+        counted as queued on a worker, no decode stream reserved on one."""
         try:
             await wait_until(lambda: not self.leaks(), timeout)
         except AssertionError:

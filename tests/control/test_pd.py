@@ -277,3 +277,28 @@ async def test_a_stop_string_makes_the_decode_worker_draw_the_token_again(pd):
     assert context == PROMPT
     assert params.max_tokens == 8 and params.extra_args[FORCED_TOKENS_ARG] == tokens[:1]
     await pd.assert_clean()
+
+
+async def test_requests_prefilling_together_spread_over_the_decode_workers(make_cluster):
+    """A decode worker chosen for a request that is still prefilling elsewhere counts that
+    stream at once, so a burst does not all go to the worker least loaded when it arrived."""
+    import asyncio
+
+    from fakepool import wait_until
+
+    c = await make_cluster()
+    await c.add("prefill", prefill_delay_per_token=0.003)  # ~0.1 s per prompt: they overlap
+    [busy] = await c.add("decode", decode_delay=0.02)
+    long_ones = [asyncio.ensure_future(c.run(list(range(i, i + 40)), greedy(80)))
+                 for i in range(3)]
+    b = c.pool.registry.workers[busy.worker_id]
+    await wait_until(lambda: b.inflight == 3, 10, "three streams on the first decode worker")
+    [idle] = await c.add("decode", decode_delay=0.02)
+    burst = await asyncio.gather(*(c.run(list(range(500 + i, 540 + i)), greedy(3))
+                                   for i in range(6)))
+    assert all(len(final_tokens(outs)) == 3 for outs in burst)
+    # Without the count, all six would have gone to the idle worker (0 < 3 until they hand off).
+    took = len(c.engine(busy.worker_id).served) - 3
+    assert 1 <= took and took + len(c.engine(idle.worker_id).served) == 6
+    await asyncio.gather(*long_ones)
+    await c.assert_clean()
