@@ -92,9 +92,10 @@ class Planning:
         `left` tokens to generate, against the planner's SLO (planner/placement.py).
 
         Each worker is judged by its own cost model (the pooled one until it has its own), the
-        streams it runs (its engine's last report, or this controller's legs on it if more:
-        requests placed between two heartbeats must see each other) and the prompt tokens
-        this controller queued on it to prefill. `cached`: tokens each engine holds (KV index).
+        streams it runs (its engine's last report, or this controller's legs on it and the
+        streams it was chosen for that are still prefilling, if more: requests placed between
+        two heartbeats must see each other) and the prompt tokens this controller queued on
+        it to prefill. `cached`: tokens each engine holds (KV index).
         """
         out = max(1, min(left, round(self.demand().output_tokens)))
         uncached = {wid: tokens - c for wid, c in (cached or {}).items() if c}
