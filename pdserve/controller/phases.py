@@ -9,7 +9,8 @@ first new token reaching it. Its phases, each measured where it happens:
 - worker: the decode worker's own time, Generate in -> engine, and first output -> sent
 - schedule: the engine queued the request -> asked for its KV (allocated its blocks)
 - kv_read: asked for the KV -> the read done (NIXL; pdserve's connector notes both)
-- first_step: the read done -> the engine's first token (recomputing the last position)
+- first_step: the read done -> the engine's first token (it computes one position: the prefill's
+  token's, or the last prompt position again when the token must be drawn again)
 
 The worker host's times (protocol.Output.timings, KV_READ_STATS) are on its monotonic clock,
 which its engine core shares. Without the connector's read times, kv_read is part of
