@@ -85,3 +85,30 @@ def wait_for(predicate, timeout: float, what: str, procs: list[Proc] = ()) -> No
 def ready_workers(base: str, role: str | None = None) -> list[dict]:
     return [w for w in get_json(base + "/pd/workers")
             if w["state"] == "ready" and (role is None or w["role"] == role)]
+
+
+def engine_core_pid(worker_pid: int) -> int:
+    """The engine-core child of a worker process (it runs in a process group of its own)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+        if ppid == worker_pid and name.startswith("VLLM::Engine"):  # comm is cut at 15
+            return int(entry)
+    raise AssertionError(f"no engine core under worker {worker_pid}")
+
+
+def exited(pid: int) -> bool:
+    """Whether process `pid` is gone (or a zombie: exited, not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return True
+    return stat[stat.rindex(")") + 2] == "Z"

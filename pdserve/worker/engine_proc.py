@@ -6,32 +6,45 @@ group. vLLM's engine core shuts down at once on SIGINT/SIGTERM, so a group signa
 the engine under a worker that meant to drain (streams cut short). The engine core therefore
 moves to a process group of its own (its model-runner processes, started later, join it): only
 the worker decides when its engine stops. So that no engine outlives its worker (kill -9 of the
-worker), the engine core asks the kernel for SIGTERM when the worker dies (vLLM's handler
-then shuts the engine down, model runners and shared memory included). The worker names
-itself in an environment variable; a process whose parent is not that worker (a plain vLLM
-server, the engine core's own children) is left alone.
+worker), a thread of the engine core waits for the worker to exit and then sends the engine
+core one SIGTERM (vLLM's handler then shuts the engine down, model runners and shared memory
+included). Exactly one: the kernel's parent-death signal, used before, is sent again each time
+the dying worker's threads hand the child on to one another, and vLLM's handler is not
+re-entrant (a second SIGTERM arriving inside it deadlocked an orphaned engine core for good).
+The worker names itself in an environment variable; a process whose parent is not that worker
+(a plain vLLM server, the engine core's own children) is left alone.
 """
 
 from __future__ import annotations
 
-import ctypes
 import multiprocessing
 import os
+import select
 import signal
+import threading
 
 from pdserve.worker.engine import ENGINE_OWN_GROUP_ENV
-
-_PR_SET_PDEATHSIG = 1
 
 
 def setup() -> None:
     parent = multiprocessing.parent_process()
     if parent is None or os.environ.get(ENGINE_OWN_GROUP_ENV) != str(parent.pid):
         return  # the worker itself, the engine core's own children, or not under a worker
-    libc = ctypes.CDLL(None, use_errno=True)
-    # SIGTERM, not SIGKILL: vLLM's handler then stops the model runners and frees the shared
-    # memory they hold (a SIGKILL left 160-400 MiB in /dev/shm per killed worker).
-    libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
-    if os.getppid() != parent.pid:
-        os._exit(1)  # the parent died before the request above: follow it
+    follow(parent.pid)
     os.setpgid(0, 0)
+
+
+def follow(pid: int) -> None:
+    """Send this process one SIGTERM when process `pid`, its parent, exits."""
+    try:
+        exited = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os._exit(1)  # the parent died already: follow it
+    if os.getppid() != pid:  # died before the fd was opened (its pid may be another's now)
+        os._exit(1)
+
+    def wait() -> None:
+        select.select([exited], [], [])  # readable once the process has exited
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=wait, name="pdserve-follow-worker", daemon=True).start()

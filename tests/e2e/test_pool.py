@@ -8,7 +8,7 @@ import threading
 import time
 
 import pytest
-from procs import Proc, free_port, get_json, pdserve, wait_for
+from procs import Proc, engine_core_pid, exited, free_port, get_json, pdserve, wait_for
 from test_openai import complete, prompt_ids
 
 
@@ -101,6 +101,7 @@ def test_killed_worker_is_dead_within_expiry_and_requests_go_on(pd_server, pd_cl
         wait_for(lambda: workers(pd_server)["decode-0-victim"]["inflight"] > 0, 60,
                  "a stream to reach the victim")
         time.sleep(0.3)
+        core = engine_core_pid(extra.pid)
         extra.signal(signal.SIGKILL)
         killed = time.monotonic()
         wait_for(lambda: workers(pd_server)["decode-0-victim"]["state"] == "dead", 10,
@@ -115,6 +116,8 @@ def test_killed_worker_is_dead_within_expiry_and_requests_go_on(pd_server, pd_cl
             assert len(ours[0][1]) == 3
         metrics = get_text(pd_server.base + "/metrics")
         assert 'pdserve_retries_total{kind="migration"}' in metrics
+        # Its engine core, in a process group of its own, follows it: no orphan keeps a core.
+        wait_for(lambda: exited(core), 120, "the killed worker's engine core to exit")
     finally:
         extra.stop()
 

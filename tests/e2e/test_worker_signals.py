@@ -16,28 +16,11 @@ import threading
 import time
 
 import pytest
-from procs import get_json, wait_for
+from procs import engine_core_pid, get_json, wait_for
 from test_openai import complete, prompt_ids
 from test_pool import start_worker, workers
 
 STREAMS, MAX_TOKENS = 6, 200
-
-
-def engine_core_pid(worker_pid: int) -> int:
-    """The engine-core child of a worker process (it runs in a process group of its own)."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        name = stat[stat.index("(") + 1:stat.rindex(")")]
-        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
-        if ppid == worker_pid and name.startswith("VLLM::Engine"):  # comm is cut at 15
-            return int(entry)
-    raise AssertionError(f"no engine core under worker {worker_pid}")
 
 
 @pytest.fixture()
