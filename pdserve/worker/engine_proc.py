@@ -28,9 +28,10 @@ from pdserve.worker.engine import ENGINE_OWN_GROUP_ENV
 
 def setup() -> None:
     parent = multiprocessing.parent_process()
-    if parent is None or os.environ.get(ENGINE_OWN_GROUP_ENV) != str(parent.pid):
+    pid = parent.pid if parent is not None else None
+    if pid is None or os.environ.get(ENGINE_OWN_GROUP_ENV) != str(pid):
         return  # the worker itself, the engine core's own children, or not under a worker
-    follow(parent.pid)
+    follow(pid)
     os.setpgid(0, 0)
 
 
