@@ -599,7 +599,9 @@ def test_points_match_the_metrics(pool, rendered):
             if chart == "itl":
                 assert float(shown[1]) == pytest.approx(want * 1000, rel=0.1), (chart, q)
             else:
-                assert shown[1] == f"{want * 1000:.1f}", (chart, q, legend)
+                # Shown to 0.1 ms: within half of that (the page's figure comes from the history's
+                # bucket deltas, whose float sums can put it on the other side of a rounding).
+                assert abs(float(shown[1]) - want * 1000) <= 0.05 + 1e-9, (chart, q, legend)
 
     # Per worker: the last point is what /metrics says now (nothing changed since, but the KV
     # usage of the worker that streams the long request).
