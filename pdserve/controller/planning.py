@@ -37,6 +37,7 @@ HALF_LIFE_S = 10.0  # of the demand signals: a shift shows within ~30 s; the hol
 # Output tokens per request assumed until a request has finished here (a chat answer's order of
 # size: the handoff's share of TPOT, predicted per output token, depends on it).
 PRIOR_OUTPUT_TOKENS = 128.0
+PLANNED = (WorkerState.READY, WorkerState.SUSPECT)  # the workers a split is planned over
 
 
 class Planning:
@@ -118,7 +119,9 @@ class Planning:
         """One round: demand, costs, a decision, its change applied. None: no auto worker."""
         now = self.clock()
         self._smooth(now)
-        workers = [w for w in self.registry.workers.values() if w.state == WorkerState.READY]
+        # A suspect worker is late, not gone (controller/registry.py): it keeps its place in the
+        # split, or every late heartbeat on busy cores would turn its peer into `both` and back.
+        workers = [w for w in self.registry.workers.values() if w.state in PLANNED]
         for gone in set(self.models) - set(self.registry.workers):
             del self.models[gone]
             self._seen.pop(gone, None)

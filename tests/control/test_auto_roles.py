@@ -10,6 +10,7 @@ from fakepool import final_tokens, greedy, wait_until
 from pdserve import fake
 from pdserve.controller.planning import Planning
 from pdserve.controller.receipts import open_receipt
+from pdserve.controller.registry import WorkerState
 from pdserve.planner.capacity import Slo
 from pdserve.planner.costmodel import Profile
 from pdserve.planner.roles import RolePlanner
@@ -75,6 +76,29 @@ async def test_the_planner_makes_an_idle_pair_1p1d_after_the_hold_and_requests_f
     r = await routed(cluster)
     assert r.path == "disaggregated"
     assert duties(cluster)[r.prefill] == "prefill" and duties(cluster)[r.decode] == "decode"
+    await cluster.assert_clean()
+
+
+async def test_a_suspect_worker_keeps_its_duty_and_only_a_dead_one_is_planned_around(cluster):
+    # A worker late with its heartbeats (busy cores) is suspect, not gone: the planner must not
+    # turn its peer into a `both` worker and back each time it is heard again.
+    clock = Clock()
+    a, b = await cluster.add("auto", 2)
+    reg = cluster.pool.registry
+    for w, duty in ((a, Role.PREFILL), (b, Role.DECODE)):
+        reg.workers[w.worker_id].duty = duty
+    p = planning(cluster, clock, hold_seconds=2.0)
+    for _ in range(5):
+        clock.t += 1.0
+        reg.workers[b.worker_id].state = WorkerState.SUSPECT  # (its heartbeats would clear it)
+        assert p.tick().status == "steady"
+    assert duties(cluster) == {a.worker_id: "prefill", b.worker_id: "decode"}
+    # Dead: the survivor serves both sides after the hold.
+    reg.mark_dead(b.worker_id)
+    for _ in range(3):
+        clock.t += 1.0
+        p.tick()
+    assert duties(cluster)[a.worker_id] == "both"
     await cluster.assert_clean()
 
 
