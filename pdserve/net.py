@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import random
 import socket
+from pathlib import Path
+
+_random = random.SystemRandom()  # not the `random` module's state, which callers may seed
 
 
 def _bind_host(host: str) -> str:
@@ -10,10 +14,28 @@ def _bind_host(host: str) -> str:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on at `host` now (another process may still take it first)."""
-    with socket.socket() as s:
+    """A port nothing listens on at `host` now, below the kernel's ephemeral range when there is
+    room: a port from that range (what binding port 0 gives) is also what every outgoing
+    connection on the host takes, so in the seconds before its server binds it (an engine's KV
+    side channel binds ~30 s after its worker chose the port) a connection could take it first.
+    Another process may still bind it first."""
+    low, _ = _ephemeral_range()
+    first = max(1024, low - 16384)
+    for _ in range(64):
+        port = _random.randrange(first, low) if first < low else 0
+        if port and bind_error(host, port) is None:
+            return port
+    with socket.socket() as s:  # no room below the range, or all tried were taken
         s.bind((_bind_host(host), 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
 
 
 def bind_error(host: str, port: int) -> OSError | None:

@@ -4,11 +4,14 @@ kernel's parent-death signal, used before, came twice in 4 of 6 runs of this tes
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
+
+from procs import exited
 
 CHILD = textwrap.dedent("""
     import os, signal, sys, time
@@ -44,3 +47,40 @@ def test_a_killed_workers_engine_gets_exactly_one_sigterm(tmp_path: Path) -> Non
     while not out.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert out.read_text() == "1"
+
+
+STUCK = textwrap.dedent("""
+    import os, signal, subprocess, sys, time
+    from pdserve.worker.engine_proc import follow
+    # An engine core stuck in its start: vLLM's handler only marks it for shutdown.
+    signal.signal(signal.SIGTERM, lambda *a: None)
+    follow(os.getppid(), grace=0.5)
+    os.setpgid(0, 0)
+    runner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    print(os.getpid(), runner.pid, flush=True)
+    time.sleep(300)
+""")
+
+KILLED_WITH = textwrap.dedent("""
+    import os, signal, subprocess, sys, time
+    child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=subprocess.PIPE,
+                             text=True)
+    print(child.stdout.readline().strip(), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def test_an_engine_that_ignores_the_sigterm_is_killed_with_its_group_after_the_grace() -> None:
+    parent = subprocess.run([sys.executable, "-c", KILLED_WITH, STUCK], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, timeout=60)
+    assert parent.returncode == -9
+    core, runner = (int(pid) for pid in parent.stdout.split())
+    deadline = time.monotonic() + 20
+    while not (exited(core) and exited(runner)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        assert exited(core) and exited(runner)  # the stand-in model runner went with its group
+    finally:
+        for pid in (core, runner):
+            if not exited(pid):
+                os.kill(pid, 9)

@@ -37,3 +37,21 @@ async def test_health_follows_registration_and_metrics_serves_the_registry():
     finally:
         server.close()
         await server.wait_closed()
+
+
+def test_a_taken_kv_port_stops_the_worker_before_its_engine_starts():
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", free_port()))
+        other.listen()
+        port = other.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "pdserve.cli", "worker", "--role", "decode", "--model",
+             "/nonexistent-model", "--controller", "tcp://127.0.0.1:1", "--advertise-host",
+             "127.0.0.1", "--kv-port", str(port), "--cores", "0"],
+            capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"port {port} on 127.0.0.1 is in use" in done.stderr and "--kv-port" in done.stderr

@@ -9,7 +9,9 @@ vLLM 0.32's NIXL worker does two things that hurt a CPU-only host (measured in i
 
 This subclass is loaded through vLLM's out-of-tree hook (``kv_connector_module_path``). On the
 CPU platform it builds the agent with a progress thread that sleeps between polls, and puts the
-thread affinity back to what the engine had. On any other platform it is NixlConnector unchanged.
+thread affinity back to what the engine had. On every platform it fails the engine's start when
+its side-channel port is taken (vLLM would wait for it for good), caps a decode read at what the
+prefill computed and reports what each read moved.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPull
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
 
+from pdserve.net import bind_error
 from pdserve.protocol import KV_READ_STATS
 
 # Under vLLM's logger: this runs in the engine's processes, where only vLLM's handler exists
@@ -73,6 +76,10 @@ READ_WAIT_S = int(os.environ.get("PDSERVE_NIXL_READ_WAIT_US", "1000")) / 1e6
 _POLL_S = 50e-6
 
 
+class SideChannelTaken(RuntimeError):
+    """The KV side-channel port is taken: the engine cannot start."""
+
+
 class PDCpuNixlConnector(NixlPullConnector):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any):
         # Decode side (scheduler): request id -> [tokens its prefix cache had, tokens to read,
@@ -91,6 +98,23 @@ class PDCpuNixlConnector(NixlPullConnector):
             "pdserve CPU NIXL connector: progress thread polls every %d us, affinity kept at %s",
             PROGRESS_DELAY_US, sorted(affinity),
         )
+
+    # ---- the side channel (scheduler side) -------------------------------------------------
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: Any) -> None:
+        # vLLM's listener thread binds the side-channel port, and the engine's start waits for it
+        # without a timeout: a port another process took since the worker chose it would hang
+        # the start for good. Fail it with the reason instead (the worker exits, and `pdserve
+        # serve` restarts it with another port).
+        sched = self.connector_scheduler
+        if sched is not None and getattr(sched, "_nixl_handshake_listener_t", None) is None:
+            host, port = sched.side_channel_host, sched.side_channel_port
+            if (err := bind_error(host, port)) is not None:
+                raise SideChannelTaken(
+                    f"the KV side channel cannot listen on {host}:{port} ({err}): another "
+                    "process holds the port; start the worker again (without --kv-port it "
+                    "picks another free one) or give it a free --kv-port")
+        super().set_xfer_handshake_metadata_pp_aware(metadata)
 
     # ---- a read that lands within the step is reported by it (worker side, CPU) ------------
 

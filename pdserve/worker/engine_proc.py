@@ -11,6 +11,8 @@ core one SIGTERM (vLLM's handler then shuts the engine down, model runners and s
 included). Exactly one: the kernel's parent-death signal, used before, is sent again each time
 the dying worker's threads hand the child on to one another, and vLLM's handler is not
 re-entrant (a second SIGTERM arriving inside it deadlocked an orphaned engine core for good).
+An engine core still there `grace` seconds later (one stuck in its start, where vLLM's handler
+only marks it for shutdown) is killed with its process group.
 The worker names itself in an environment variable; a process whose parent is not that worker
 (a plain vLLM server, the engine core's own children) is left alone.
 """
@@ -22,8 +24,14 @@ import os
 import select
 import signal
 import threading
+import time
+
+from vllm.logger import init_logger
 
 from pdserve.worker.engine import ENGINE_OWN_GROUP_ENV
+
+# Under vLLM's logger: in the engine core only vLLM's handler exists (kv/cpu_nixl.py).
+logger = init_logger(f"vllm.{__name__}")
 
 
 def setup() -> None:
@@ -35,8 +43,14 @@ def setup() -> None:
     os.setpgid(0, 0)
 
 
-def follow(pid: int) -> None:
-    """Send this process one SIGTERM when process `pid`, its parent, exits."""
+# How long an engine core that lost its worker has to shut down after its SIGTERM (vLLM's own
+# shutdown of an idle engine takes a few seconds) before it is killed.
+GRACE_S = 20.0
+
+
+def follow(pid: int, grace: float = GRACE_S) -> None:
+    """Send this process one SIGTERM when process `pid`, its parent, exits, and SIGKILL (its
+    process group, if it leads one) if it is still there `grace` seconds later."""
     try:
         exited = os.pidfd_open(pid)
     except ProcessLookupError:
@@ -47,5 +61,12 @@ def follow(pid: int) -> None:
     def wait() -> None:
         select.select([exited], [], [])  # readable once the process has exited
         os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace)
+        me = os.getpid()
+        logger.warning("engine core %d: its worker %d is gone and it did not stop within %g s "
+                       "of SIGTERM: killing it", me, pid, grace)
+        if os.getpgid(0) == me:  # its own group: its model runners go with it
+            os.killpg(me, signal.SIGKILL)
+        os.kill(me, signal.SIGKILL)
 
     threading.Thread(target=wait, name="pdserve-follow-worker", daemon=True).start()

@@ -23,6 +23,7 @@ from urllib.parse import urlparse
 from pdserve import transport
 from pdserve.models import resolve_model
 from pdserve.net import free_port
+from pdserve.preflight import port_problem
 from pdserve.protocol import Role
 from pdserve.worker.discovery import Discovery, read_list
 from pdserve.worker import cores as claims  # `cores` names the --cores lists here
@@ -135,6 +136,9 @@ async def run(args) -> int:
     role = Role[args.role.upper()]
     discovery = Discovery(args.controller, args.controllers_file)
     host = args.advertise_host or route_address(_first_controller(args))
+    if args.kv_port and (problem := port_problem(host, args.kv_port, "--kv-port")):
+        logger.error("%s", problem)  # now, not when the engine binds it ~30 s from here
+        return 2
     kv_port = args.kv_port or free_port(host)
     settings = EngineSettings(role, advertise_host=host, kv_port=kv_port, cores=args.cores,
                               kv_cache_gib=args.kv_cache_gib, kv_events=not args.no_kv_events)
