@@ -294,3 +294,20 @@ def test_chat_load_runs_the_runner_as_a_child_and_measures(serve: Any, tmp_path:
     assert s["completed"] == 8 and s["cache"]["cached_tokens"] > 0
     # The child drew prompts from the tiny model's tokenizer: ids 4-2047 (0-3 are special).
     assert all(4 <= t < 2048 for pr in fake.prompts for t in pr[:64])
+
+
+def test_report_shows_the_controllers_cache_figures_when_the_client_has_none(
+        tmp_path: Path) -> None:
+    # Streamed P/D answers carry no usage.prompt_tokens_details: the controller's counters are
+    # the figures, and the table must not vanish for want of the client's.
+    recs = [Record(1000, 4, 0.1, 0.13, [0.01] * 3), Record(1200, 4, 0.05, 0.08, [0.01] * 3)]
+    figures = dict.fromkeys(scrape.CACHE_FIGURES)
+    figures.update(prompt_tokens_computed=640.0, kv_bytes_moved=2.5e6,
+                   prefill_cache_hit_rate=0.71, decode_cache_hit_rate=0.83)
+    run = {"rate": 1.0, "summary": summarize(recs, 2.0, Slo()), "controller_cache": figures}
+    assert "cache" not in run["summary"]
+    results = {"meta": {}, "configs": {"2P2D:kv": {"runs": [run]}}}
+    report.write_report(results, {("2P2D:kv", 1.0): recs}, tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    row = next(x for x in md.splitlines() if x.startswith("| 2P2D:kv | 1 | - | - | - | 640 | - |"))
+    assert row.endswith("| 2.5 | 71% / 83% |")

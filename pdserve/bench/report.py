@@ -79,9 +79,12 @@ def cache_table(results: Mapping[str, Any]) -> list[str]:
               "| prefill / decode hit rate |"), "|" + "---|" * 12]
     for name, cfg in results["configs"].items():
         for run in cfg["runs"]:
-            s, c = run["summary"], run["summary"].get("cache")
-            if not c:
+            if not _has_cache_figures(run):
                 continue
+            # The client's figures (usage.prompt_tokens_details), when the server reported them:
+            # a streamed P/D answer's usage has none (vLLM reads them from the first output,
+            # the prefill's token, which goes out before the decode worker reports).
+            s, c = run["summary"], run["summary"].get("cache") or {}
             k = run.get("controller_cache") or {}
             moved = k.get("kv_bytes_moved")
             # In P/D, usage's cached_tokens counts the KV a decode worker read: the engines'
@@ -90,8 +93,9 @@ def cache_table(results: Mapping[str, Any]) -> list[str]:
             if computed is None:
                 computed = c["computed_tokens"]
             lines.append(
-                f"| {name} | {rate_label(run)} | {c['requests']} | {c['prompt_tokens']:,} "
-                f"| {c['cached_tokens']:,} | {int(computed):,} | {c['hit_rate']:.0%} "
+                f"| {name} | {rate_label(run)} | {c.get('requests', '-')} "
+                f"| {_count(c.get('prompt_tokens'))} | {_count(c.get('cached_tokens'))} "
+                f"| {int(computed):,} | {_share(c.get('hit_rate'))} "
                 f"| {fmt_ms(s['ttft']['p50'])} / {fmt_ms(s['ttft']['p99'])} "
                 f"| {fmt_ms(s['tpot']['p50'])} / {fmt_ms(s['tpot']['p99'])} | {s['goodput']:.2f} "
                 f"| {'-' if moved is None else f'{moved / 1e6:,.1f}'} "
@@ -100,8 +104,18 @@ def cache_table(results: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def _has_cache_figures(run: Mapping[str, Any]) -> bool:
+    """The client's prefix-cache figures, or the controller's computed-token count."""
+    return bool(run["summary"].get("cache")) or (
+        (run.get("controller_cache") or {}).get("prompt_tokens_computed") is not None)
+
+
 def _share(v: float | None) -> str:
     return "-" if v is None else f"{v:.0%}"
+
+
+def _count(v: int | None) -> str:
+    return "-" if v is None else f"{v:,}"
 
 
 def _others(run: Mapping[str, Any]) -> str:
@@ -243,8 +257,7 @@ def markdown(results: Mapping[str, Any]) -> str:
             if run.get("duties") for line in duties.markdown(f"{name} at {rate_label(run)}", run)]
     if duty:
         out += ["", "## Duties of the auto workers (polled about once a second)", *duty]
-    if any(run["summary"].get("cache") for c in results["configs"].values()
-           for run in c["runs"]):
+    if any(_has_cache_figures(run) for c in results["configs"].values() for run in c["runs"]):
         out += ["", "## Prefix cache (computed = prompt tokens - cached tokens)", "",
                 *cache_table(results)]
     if any(run["summary"].get("pauses") for c in results["configs"].values()
