@@ -72,7 +72,7 @@ def test_returns_at_once_with_nothing_in_flight_or_a_failed_read(clock, transfer
 @pytest.mark.parametrize("attn_metadata, waits", [(None, True), ({"layer.0": object()}, False)])
 def test_only_a_step_without_a_model_waits(monkeypatch, attn_metadata, waits):
     monkeypatch.setattr(cpu_nixl.NixlPullConnector, "start_load_kv", lambda *a, **k: None)
-    monkeypatch.setattr(cpu_nixl.current_platform, "is_cpu", lambda: True)
     c = connector({}, FakeNixl({}))
+    c._may_wait = True  # a CPU engine with the wait on
     c.start_load_kv(SimpleNamespace(attn_metadata=attn_metadata))
     assert c._wait_for_reads is waits

@@ -86,6 +86,7 @@ class PDCpuNixlConnector(NixlPullConnector):
         # when the read was asked for, when it was done] (protocol.KV_READ_STATS).
         self._reads: dict[str, list[float]] = {}
         self._wait_for_reads = False  # worker side: this step ran no model, so it may wait
+        self._may_wait = current_platform.is_cpu() and READ_WAIT_S > 0
         if role != KVConnectorRole.WORKER or not current_platform.is_cpu():
             super().__init__(vllm_config, role, kv_cache_config)
             return
@@ -120,7 +121,7 @@ class PDCpuNixlConnector(NixlPullConnector):
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         # vLLM runs a step without a model (no attention metadata) only to move KV.
-        self._wait_for_reads = (current_platform.is_cpu() and READ_WAIT_S > 0
+        self._wait_for_reads = (self._may_wait
                                 and getattr(forward_context, "attn_metadata", None) is None)
         super().start_load_kv(forward_context, **kwargs)
 
