@@ -42,7 +42,7 @@ class Proc:
 
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM the group, wait, then SIGKILL what is left (a worker's engine core, in a group of
-        its own, is stopped by its worker or, if the worker is killed, by the kernel)."""
+        its own, is stopped by its worker or, if the worker is killed, by its own watcher)."""
         self.signal(signal.SIGTERM)
         try:
             self.proc.wait(timeout)

@@ -100,6 +100,18 @@ class Pool:
         self._kv_wanted = kv_index
         self._replay_asked: dict[str, float] = {}  # worker id -> when a replay was asked
 
+    def snapshot(self) -> list[dict]:
+        """The workers as /pd/workers shows them: the registry's entries, each with what the KV
+        index holds for it (`kv_index`; null when its engine's events are not indexed)."""
+        views = self.kv.snapshot() if self.kv is not None else {}
+        out = self.registry.snapshot()
+        for w in out:
+            view = views.get(w["id"])
+            w["kv_index"] = None if view is None else {
+                "blocks": view.blocks, "capacity": view.capacity, "last_seq": view.last_seq,
+                "waiting_for_replay": view.stale, "gaps": view.gaps, "resets": view.resets}
+        return out
+
     @property
     def address(self) -> str:
         return self.sock.getsockopt_string(zmq.LAST_ENDPOINT)

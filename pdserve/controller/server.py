@@ -208,7 +208,7 @@ def add_routes(app, controller: PDController, metrics: Metrics,
 
     @app.get("/pd/workers")
     async def pd_workers():
-        return JSONResponse(controller.pool.registry.snapshot())
+        return JSONResponse(controller.pool.snapshot())
 
     @app.get("/pd/stats")
     async def pd_stats():

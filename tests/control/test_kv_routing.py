@@ -146,6 +146,8 @@ async def test_a_restarted_worker_starts_with_nothing_in_the_index(make_cluster)
     prompt = turn(SYSTEM, 5000)
     await c.run(prompt, greedy(4))
     await wait_until(lambda: bool(held(c, "decode-x", prompt)))
+    shown = {w["id"]: w["kv_index"] for w in c.pool.snapshot()}  # as /pd/workers shows it
+    assert shown["decode-x"]["blocks"] > 0 and shown["decode-x"]["resets"] == 0
     await c.kill("decode-x")
     c.workers.pop("decode-x")
     before = c.pool.registry.workers["decode-x"]
@@ -153,6 +155,8 @@ async def test_a_restarted_worker_starts_with_nothing_in_the_index(make_cluster)
     await wait_until(lambda: c.pool.registry.workers["decode-x"] is not before,
                      what="the new engine to register")
     assert held(c, "decode-x", prompt) == 0
+    shown = {w["id"]: w["kv_index"] for w in c.pool.snapshot()}
+    assert shown["decode-x"]["blocks"] == 0
     await c.assert_clean()
 
 

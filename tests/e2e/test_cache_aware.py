@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import urllib.request
 
 from procs import get_json
@@ -79,3 +80,41 @@ def test_the_handoff_is_measured_phase_by_phase(pd_server, model_dir):
     complete(base, model_dir, prompt_ids(300, seed=7201))
     for phase, n in before.items():  # the decode worker reported its engine's times
         assert metric(base, count % phase) == n + 1, phase
+
+
+def index_of(base: str, worker_id: str) -> dict | None:
+    return next((w for w in get_json(base + "/pd/workers") if w["id"] == worker_id), None)
+
+
+def test_a_restarted_decode_worker_starts_with_nothing_in_the_index(pd_server, reference,
+                                                                    model_dir, logs):
+    from procs import wait_for
+    from test_pool import start_worker
+
+    base, ref, name = pd_server.base, reference.base, "decode-0-reborn"  # sorts first: ties go to it
+    B = get_json(base + "/pd/workers")[0]["block_size"]
+    extra = start_worker(name, "decode", pd_server, model_dir, logs)
+    try:
+        wait_for(lambda: (index_of(base, name) or {}).get("state") == "ready", 300,
+                 "the extra decode worker", [extra])
+        for k in range(6):  # fresh prompts until one is decoded there
+            prompt = prompt_ids(3 * B + 10, seed=7300 + k)
+            _, receipt = complete(base, model_dir, prompt)
+            if f"decode={name} " in receipt:
+                break
+        assert f"decode={name} " in receipt, receipt
+        wait_for(lambda: index_of(base, name)["kv_index"]["blocks"] >= 3, 20,
+                 "its engine's events in the index")
+        old_pid = index_of(base, name)["pid"]
+        extra.signal(signal.SIGKILL)  # the worker's group; its engine core follows it
+        extra.proc.wait(30)
+        extra = start_worker(name, "decode", pd_server, model_dir, logs)
+        wait_for(lambda: (w := index_of(base, name)) is not None and w["pid"] != old_pid
+                 and w["state"] == "ready", 300, "the restarted worker", [extra])
+        assert index_of(base, name)["kv_index"]["blocks"] == 0
+        # What the old engine held is no hit on the new one: the prompt is read whole again.
+        reply, receipt = complete(base, model_dir, prompt)
+        assert reply == complete(ref, model_dir, prompt)[0]
+        assert receipt.startswith("disaggregated") and cached(receipt, "decode") == 0, receipt
+    finally:
+        extra.stop()
