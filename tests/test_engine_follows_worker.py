@@ -51,13 +51,15 @@ def test_a_killed_workers_engine_gets_exactly_one_sigterm(tmp_path: Path) -> Non
 
 STUCK = textwrap.dedent("""
     import os, signal, subprocess, sys, time
+    from multiprocessing import shared_memory
     from pdserve.worker.engine_proc import follow
     # An engine core stuck in its start: vLLM's handler only marks it for shutdown.
     signal.signal(signal.SIGTERM, lambda *a: None)
     follow(os.getppid(), grace=0.5)
     os.setpgid(0, 0)
     runner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
-    print(os.getpid(), runner.pid, flush=True)
+    queue = shared_memory.SharedMemory(create=True, size=1 << 20)  # as vLLM's queues are made
+    print(os.getpid(), runner.pid, queue.name, flush=True)
     time.sleep(300)
 """)
 
@@ -74,13 +76,17 @@ def test_an_engine_that_ignores_the_sigterm_is_killed_with_its_group_after_the_g
     parent = subprocess.run([sys.executable, "-c", KILLED_WITH, STUCK], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True, timeout=60)
     assert parent.returncode == -9
-    core, runner = (int(pid) for pid in parent.stdout.split())
+    core, runner, queue = parent.stdout.split()
+    segment = Path("/dev/shm") / queue
     deadline = time.monotonic() + 20
-    while not (exited(core) and exited(runner)) and time.monotonic() < deadline:
+    while not (exited(int(core)) and exited(int(runner))) and time.monotonic() < deadline:
         time.sleep(0.05)
     try:
-        assert exited(core) and exited(runner)  # the stand-in model runner went with its group
+        # The stand-in model runner went with its group, and the shared memory is not left over.
+        assert exited(int(core)) and exited(int(runner))
+        assert not segment.exists()
     finally:
-        for pid in (core, runner):
+        for pid in (int(core), int(runner)):
             if not exited(pid):
                 os.kill(pid, 9)
+        segment.unlink(missing_ok=True)

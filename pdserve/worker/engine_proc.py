@@ -12,19 +12,22 @@ included). Exactly one: the kernel's parent-death signal, used before, is sent a
 the dying worker's threads hand the child on to one another, and vLLM's handler is not
 re-entrant (a second SIGTERM arriving inside it deadlocked an orphaned engine core for good).
 An engine core still there `grace` seconds later (one stuck in its start, where vLLM's handler
-only marks it for shutdown) is killed with its process group.
+only marks it for shutdown) is killed with its process group, after unlinking the shared memory
+it maps (vLLM's queues to and from its model runners), which nothing would unlink then.
 The worker names itself in an environment variable; a process whose parent is not that worker
 (a plain vLLM server, the engine core's own children) is left alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import select
 import signal
 import threading
 import time
+from pathlib import Path
 
 from vllm.logger import init_logger
 
@@ -46,6 +49,7 @@ def setup() -> None:
 # How long an engine core that lost its worker has to shut down after its SIGTERM (vLLM's own
 # shutdown of an idle engine takes a few seconds) before it is killed.
 GRACE_S = 20.0
+SHM_PREFIX = "/dev/shm/psm_"  # multiprocessing.shared_memory's names, vLLM's shm queues among them
 
 
 def follow(pid: int, grace: float = GRACE_S) -> None:
@@ -65,8 +69,24 @@ def follow(pid: int, grace: float = GRACE_S) -> None:
         me = os.getpid()
         logger.warning("engine core %d: its worker %d is gone and it did not stop within %g s "
                        "of SIGTERM: killing it", me, pid, grace)
+        _unlink_shared_memory()
         if os.getpgid(0) == me:  # its own group: its model runners go with it
             os.killpg(me, signal.SIGKILL)
         os.kill(me, signal.SIGKILL)
 
     threading.Thread(target=wait, name="pdserve-follow-worker", daemon=True).start()
+
+
+def _unlink_shared_memory() -> None:
+    """Unlink the POSIX shared memory this process maps (Python's `psm_*` segments): a SIGKILL
+    would leave them in /dev/shm, since the resource tracker that unlinks them dies too. The
+    mappings stay valid until the processes using them exit."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return
+    paths = {parts[5] for parts in (line.split(maxsplit=5) for line in maps.splitlines())
+             if len(parts) == 6 and parts[5].startswith(SHM_PREFIX)}
+    for path in paths:
+        with contextlib.suppress(OSError):  # gone already (" (deleted)"), or not ours to unlink
+            os.unlink(path)
