@@ -21,9 +21,9 @@ def free_port(host: str = "127.0.0.1") -> int:
     Another process may still bind it first."""
     low, _ = _ephemeral_range()
     first = max(1024, low - 16384)
-    for _ in range(64):
-        port = _random.randrange(first, low) if first < low else 0
-        if port and bind_error(host, port) is None:
+    for _ in range(64 if first < low else 0):
+        port = _random.randrange(first, low)
+        if bind_error(host, port) is None:
             return port
     with socket.socket() as s:  # no room below the range, or all tried were taken
         s.bind((_bind_host(host), 0))
