@@ -18,16 +18,25 @@ def free_port(host: str = "127.0.0.1") -> int:
     room: a port from that range (what binding port 0 gives) is also what every outgoing
     connection on the host takes, so in the seconds before its server binds it (an engine's KV
     side channel binds ~30 s after its worker chose the port) a connection could take it first.
-    Another process may still bind it first."""
-    low, _ = _ephemeral_range()
-    first = max(1024, low - 16384)
-    for _ in range(64 if first < low else 0):
-        port = _random.randrange(first, low)
+    Kubernetes' NodePorts are left out too, so that kube-proxy's rules on the host cannot catch
+    the port's traffic. Another process may still bind it first."""
+    first, end = _below_ephemeral()
+    for _ in range(64 if first < end else 0):
+        port = _random.randrange(first, end)
         if bind_error(host, port) is None:
             return port
     with socket.socket() as s:  # no room below the range, or all tried were taken
         s.bind((_bind_host(host), 0))
         return int(s.getsockname()[1])
+
+
+NODE_PORTS = (30000, 32767)  # Kubernetes' default --service-node-port-range
+
+
+def _below_ephemeral() -> tuple[int, int]:
+    """The window free_port draws from: [first, end)."""
+    low, _ = _ephemeral_range()
+    return max(1024, low - 16384), min(low, NODE_PORTS[0])
 
 
 def _ephemeral_range() -> tuple[int, int]:
