@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -63,6 +64,13 @@ def pdserve(*args: str) -> list[str]:
 def get_json(url: str, timeout: float = 5.0):
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return json.loads(r.read())
+
+
+def metric(base: str, name: str) -> float:
+    """The sum of /metrics' unlabelled samples called `name` (a counter's `_total`)."""
+    with urllib.request.urlopen(base + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M))
 
 
 def wait_for(predicate, timeout: float, what: str, procs: list[Proc] = ()) -> None:

@@ -445,6 +445,7 @@ class Sequence:
                                                self.s.prefill_timeout)]
         kv = outs[-1].kv_transfer_params
         self.route.prefill_hit = outs[-1].num_cached_tokens or 0
+        self._count_cached(self.route.prefill_hit)
         self._correct(p, a.ctx, self.route.prefill_cached, self.route.prefill_hit)
         if a.want_plp:
             self.stream.set_prompt_logprobs(next((o.prompt_logprobs for o in outs
@@ -472,14 +473,11 @@ class Sequence:
                 now = None
             d, cached = await self._choose(Role.DECODE, self.decode_policy, a.ctx)
             self.route.decode, self.route.decode_cached = d.id, cached
-        # Without the prefill's own cache-hit count, vLLM reports on the decode side what it
-        # did not compute: the tokens whose KV it received (plus its own prefix-cache hits).
-        handoff = {k: v for k, v in kv.items() if k != "remote_prefill_cached_tokens"}
         self._unreserve()  # the leg counts from here on
         given = len(ctx) - len(a.ctx)  # tokens already drawn that are context, not output
         leg = self._send(d, Phase.DECODE, ctx, leg_params(
             self.params, max_tokens=a.left - given, min_tokens=max(0, a.min_left - given),
-            prompt_logprobs=False), kv_transfer_params=handoff, forced=forced)
+            prompt_logprobs=False), kv_transfer_params=kv, forced=forced)
         if self._clock is not None:
             self._clock.decode_sent = time.monotonic()
         self.pending_kv = None  # the decode worker now owns the handoff
@@ -580,13 +578,12 @@ class Sequence:
         skip = list(skip or [])
         first, unsaid = True, False
         async for out in self._outputs(leg, step, first_timeout, self.s.token_timeout):
-            if out.num_cached_tokens is not None:
-                self.stream.num_cached_tokens = min(out.num_cached_tokens, len(self.prompt))
             if out.timings is not None and self._clock is not None:
                 self._clock.first_out, self._clock.timings = time.monotonic(), out.timings
             if out.kv_transfer_params and KV_READ_STATS in out.kv_transfer_params:
                 self._kv_read(leg.worker, out.kv_transfer_params[KV_READ_STATS])
             elif self.route.path == "local" and out.num_cached_tokens is not None:
+                self._count_cached(out.num_cached_tokens)
                 self.route.decode_hit = out.num_cached_tokens
                 self._correct(leg.worker, self._ctx, self.route.decode_cached,
                               out.num_cached_tokens)
@@ -623,6 +620,14 @@ class Sequence:
         """Tokens of the context a worker computes, by the KV index's word (all if it cannot
         say): what the leg adds to the worker's prefill queue."""
         return max(1, len(a.ctx) - (cached or 0))
+
+    def _count_cached(self, hit: int) -> None:
+        """The usage's cached prompt tokens: those the engine that computed the prompt had in
+        its prefix cache (the prefill engine's, or the local engine's), set once, before the
+        first output (vLLM's streaming server reads it there). As vLLM's own P/D: the KV the
+        decode engine was handed is not "cached", the prefill engine computed it."""
+        if self.stream.num_cached_tokens is None:
+            self.stream.num_cached_tokens = min(hit, len(self.prompt))
 
     def _kv_read(self, d: Worker, stats: list[int]) -> None:
         """The decode engine's report: tokens it had cached itself, tokens whose KV it read."""

@@ -40,9 +40,27 @@ async def test_prefill_and_decode_both_ran_with_a_real_handoff(pd):
     await pd.assert_clean()
 
 
-async def test_num_cached_tokens_reports_the_prompts_full_blocks(pd):
-    outs = await pd.run(PROMPT, greedy(4))
-    assert outs[-1].num_cached_tokens == 32
+@pytest.mark.parametrize("kind", [DELTA, FINAL])
+async def test_cached_tokens_are_the_prefill_engines_hits_not_the_kv_handed_over(pd, kind):
+    p, d = pd.engines()
+    outs = await pd.run(PROMPT, greedy(4, kind))
+    assert d.kv_reads == 1  # the decode engine was handed the two full blocks...
+    # ...which the prefill engine computed: nothing was cached, in every output (a streaming
+    # server reads the count from the first).
+    assert {o.num_cached_tokens for o in outs} == {0}
+    outs = await pd.run(PROMPT + [7, 8], greedy(4, kind))
+    assert {o.num_cached_tokens for o in outs} == {32}  # the prefill engine's two blocks
+    await pd.assert_clean()
+
+
+async def test_cached_tokens_of_a_local_prefill_are_its_engines_hits(make_cluster):
+    from fakepool import fast_settings
+
+    c = await make_cluster(settings=fast_settings(local_prefill_threshold=10**6))
+    await c.add("decode")
+    assert {o.num_cached_tokens for o in await c.run(PROMPT, greedy(4, DELTA))} == {0}
+    assert {o.num_cached_tokens for o in await c.run(PROMPT, greedy(4, DELTA))} == {32}
+    await c.assert_clean()
 
 
 def sampled(max_tokens, kind, **kw):
@@ -151,7 +169,7 @@ async def test_short_prompts(pd, length):
     params = greedy(5)
     outs = await pd.run(prompt, params)
     assert final_tokens(outs) == fake.reference(prompt, params).token_ids
-    assert outs[-1].num_cached_tokens == length // 16 * 16
+    assert outs[-1].num_cached_tokens == 0  # never seen before
     await pd.assert_clean()
 
 

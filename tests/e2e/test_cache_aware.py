@@ -10,7 +10,7 @@ import re
 import signal
 import urllib.request
 
-from procs import get_json
+from procs import get_json, metric
 from test_openai import prompt_ids
 
 REPLY = 16
@@ -25,12 +25,6 @@ def complete(base: str, model: str, prompt: list[int]) -> tuple[list[int], str]:
     with urllib.request.urlopen(req, timeout=120) as r:
         out = json.loads(r.read())
         return out["choices"][0]["token_ids"], r.headers.get("x-pdserve-route") or ""
-
-
-def metric(base: str, name: str) -> float:
-    with urllib.request.urlopen(base + "/metrics", timeout=5) as r:
-        text = r.read().decode()
-    return sum(float(v) for v in re.findall(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M))
 
 
 def cached(receipt: str, side: str) -> int:

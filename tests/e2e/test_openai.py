@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
+from procs import metric
 
 LENGTHS = [1, 2, 17, 127, 128, 129, 300, 1200]
 IDS = {"return_token_ids": True}
@@ -85,11 +86,31 @@ def test_sixteen_concurrent_requests(pd_client, ref_client, model_dir):
 def test_handoff_is_real(pd_client, pd_server, model_dir, pool):
     block = pool("decode")[0]["block_size"]
     prompt = prompt_ids(2 * block + 44, seed=3000)  # never seen before by either engine
+    before = metric(pd_server.base, "pdserve_kv_read_tokens_total")
     _, r = complete(pd_client, model_dir, prompt, max_tokens=4, temperature=0)
-    cached = r.usage.prompt_tokens_details.cached_tokens
+    read = metric(pd_server.base, "pdserve_kv_read_tokens_total") - before
     full_blocks = len(prompt) // block * block
-    # The decode engine never saw this prompt: every cached token came over the handoff.
-    assert full_blocks <= cached <= len(prompt)
+    # The decode engine never saw this prompt: it read the prompt's KV from the prefill engine,
+    # and the client is told that none of it was cached (the prefill engine computed it all).
+    assert full_blocks <= read <= len(prompt)
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_a_stream_reports_the_prefill_engines_cached_tokens(pd_client, model_dir, pool):
+    block = pool("decode")[0]["block_size"]
+    prompt = prompt_ids(2 * block + 44, seed=3100)  # never seen before by either engine
+
+    def usage():
+        chunks = list(pd_client.completions.create(
+            model=model_dir, prompt=prompt, max_tokens=4, temperature=0, stream=True,
+            stream_options={"include_usage": True}))
+        return chunks[-1].usage
+
+    first, again = usage(), usage()
+    assert first.prompt_tokens == again.prompt_tokens == len(prompt)
+    assert first.prompt_tokens_details.cached_tokens == 0
+    # The prefill engine holds the prompt's full blocks now (a plain engine would say the same).
+    assert again.prompt_tokens_details.cached_tokens == 2 * block
 
 
 def test_seeded_sampling_equals_plain_engine(pd_client, ref_client, model_dir):
