@@ -81,14 +81,12 @@ def cache_table(results: Mapping[str, Any]) -> list[str]:
         for run in cfg["runs"]:
             if not _has_cache_figures(run):
                 continue
-            # The client's figures (usage.prompt_tokens_details), when the server reported them:
-            # a streamed P/D answer's usage has none (vLLM reads them from the first output,
-            # the prefill's token, which goes out before the decode worker reports).
+            # The client's figures (usage.prompt_tokens_details), when the server reported them.
             s, c = run["summary"], run["summary"].get("cache") or {}
             k = run.get("controller_cache") or {}
             moved = k.get("kv_bytes_moved")
-            # In P/D, usage's cached_tokens counts the KV a decode worker read: the engines'
-            # own figure (the controller's receipts) is what was computed.
+            # The controller's figure counts every engine's computing (a decode engine's
+            # remainder too), which usage's one count per answer cannot.
             computed = k.get("prompt_tokens_computed")
             if computed is None:
                 computed = c["computed_tokens"]
