@@ -134,6 +134,20 @@ def tiny_request(base: str, model: str) -> None:
     r.raise_for_status()
 
 
+def idle_figures(base: str, model: str, samples: int = 4) -> dict[str, float]:
+    """Each engine's lowest KV usage over a few steps. An engine reports the figures of its last
+    step, and a prefill engine frees the block of a read only at the step after the read-done
+    notice, so one reading taken after a request can be a block above the engine's idle."""
+    lowest: dict[str, float] = {}
+    for _ in range(samples):
+        tiny_request(base, model)
+        wait_for(lambda: settled(base, None), 30, "an idle pool before the test")
+        time.sleep(0.5)
+        for wid, (_, _, _, kv, _) in figures(base).items():
+            lowest[wid] = min(kv, lowest.get(wid, kv))
+    return lowest
+
+
 def settle(base: str, model: str, idle: dict[str, float], timeout: float, what: str) -> None:
     """Wait until `settled`, making both engines step every 2 s meanwhile: an idle engine reports
     the figures of its last step, so a block freed after it (on the prefill side, when the
@@ -156,7 +170,7 @@ def settled(base: str, idle: dict[str, float] | None) -> bool:
     if {r for r, *_ in f.values()} != {"prefill", "decode"}:
         return False
     return all(run == 0 and wait == 0 and inflight == 0
-               and (idle is None or kv == idle.get(wid))
+               and (idle is None or kv <= idle[wid])
                for wid, (_, run, wait, kv, inflight) in f.items())
 
 
@@ -164,10 +178,7 @@ def test_random_aborts_free_every_block(pd_server, pd_client, ref_client, model_
     base = pd_server.base
     log_start = len(pd_server.proc.log())
 
-    # The idle figures, right after a step of each engine.
-    tiny_request(base, model_dir)
-    wait_for(lambda: settled(base, None), 30, "an idle pool before the test")
-    idle = {wid: kv for wid, (_, _, _, kv, _) in figures(base).items()}
+    idle = idle_figures(base, model_dir)
     print(f"\nidle kv_usage: {idle}")
 
     async def all_requests() -> list[str]:
