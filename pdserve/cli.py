@@ -7,6 +7,12 @@ import logging
 import os
 import sys
 
+from pdserve.worker.stop_signals import block_in_engine_process
+
+# A worker's engine processes (spawned: they import this module first, before vLLM starts a
+# thread) block SIGTERM/SIGINT in every thread they will have (worker/stop_signals.py).
+block_in_engine_process()
+
 USAGE = """usage: pdserve COMMAND [options]
 
 commands:

@@ -8,6 +8,7 @@ again); a child started with restart=False (the controller) exiting raises Child
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -17,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdserve.worker.main import EXIT_REFUSED
+from pdserve.worker.main import DRAIN_SIGNAL, EXIT_REFUSED
 
 logger = logging.getLogger("pdserve.serve")
 
@@ -35,12 +36,19 @@ class Child:
     name: str
     proc: subprocess.Popen
     log: Path | None = None  # its output, unless it goes to serve's own
+    worker: bool = True  # a pdserve worker: DRAIN_SIGNAL drains it (the controller: not)
 
     def signal_group(self, sig: int) -> None:
         try:
             os.killpg(self.proc.pid, sig)
         except ProcessLookupError:
             pass
+
+    def signal(self, sig: int) -> None:
+        """This process alone."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(sig)
 
 
 def supervise(sup: Supervisor, stopping: Callable[[], bool], interval: float = 0.5) -> None:
@@ -134,10 +142,14 @@ class Supervisor:
 
 
 def stop_children(children: list[Child], drain_timeout: float) -> None:
-    """SIGTERM workers (they drain), then the controller; SIGKILL whatever is left."""
+    """Drain the workers, then SIGTERM the controller (and workers still there: they stop at
+    once); SIGKILL whatever is left."""
     workers = [c for c in children if c.name != "controller"]
     for c in workers:
-        c.signal_group(signal.SIGTERM)
+        if c.worker:  # drain-only: under systemd's stop it has had SIGTERM already, and a
+            c.signal(DRAIN_SIGNAL)  # second SIGTERM would stop it at once
+        else:
+            c.signal_group(signal.SIGTERM)
     _wait(workers, drain_timeout)
     for c in children:
         if c.proc.poll() is None:

@@ -6,6 +6,7 @@ starts: a small driver runs the real command with `launcher.worker_command` swap
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import signal
 import socket
@@ -108,6 +109,41 @@ def test_a_quiet_start_a_short_name_and_ctrl_c(tmp_path) -> None:
     assert "POST /v1/completions" in logs["controller.log"]
     assert "GET /pd/workers" not in logs["controller.log"]
     assert "registered with controller" in logs["decode-1.log"]
+
+
+def test_systemds_stop_of_every_process_lets_a_stream_finish(tmp_path) -> None:
+    """systemd's default stop (KillMode=control-group) sends SIGTERM to serve, the controller and
+    every worker at once. serve's own stop must not be a worker's second signal (stop at once:
+    with one decode worker the stream would have nowhere to go)."""
+    from pdserve.bench.soak import tree
+
+    port, wport = free_port(), free_port()
+    driver = FAKE_WORKERS.replace('"--model", model]', '"--model", model, "--decode-delay", "0.02"]')
+    p = Proc("serve", serve("--port", str(port), "--worker-port", str(wport), "--log-dir",
+                            str(tmp_path / "run"), driver=driver), tmp_path)
+    try:
+        wait_for(lambda: "pdserve ready" in p.log(), 300, "pdserve serve", [p])
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions", headers={"Content-Type": "application/json"},
+            data=json.dumps({"model": "tiny", "prompt": "def main(", "max_tokens": 150,
+                             "ignore_eos": True, "stream": True,
+                             "stream_options": {"include_usage": True}}).encode())
+        chunks = []
+        with urllib.request.urlopen(req, timeout=60) as r:
+            for line in r:
+                if line.startswith(b"data: {"):
+                    chunks.append(json.loads(line[6:]))
+                    if len(chunks) == 5:  # streaming: now stop the unit
+                        for pid in tree(p.proc.pid):
+                            os.kill(pid, signal.SIGTERM)
+        p.proc.wait(60)
+    finally:
+        p.stop()
+    finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert finish[-1] == "length" and chunks[-1]["usage"]["completion_tokens"] == 150, chunks[-3:]
+    assert p.proc.returncode == 0, p.log()
+    decode = (tmp_path / "run" / "decode-1.log").read_text()
+    assert "SIGTERM: draining" in decode and "stopping now" not in decode, decode
 
 
 def test_a_child_that_exits_during_start_up_ends_serve_with_its_log(tmp_path) -> None:

@@ -149,14 +149,14 @@ class Deployment(abc.ABC):
         logdir.mkdir(parents=True, exist_ok=True)
 
     def spawn(self, name: str, cmd: list[str], env: dict[str, str],
-              cpus: set[int] | None = None) -> Child:
+              cpus: set[int] | None = None, worker: bool = True) -> Child:
         """Start a child in its own process group; `cpus`: keep it and its children there."""
         pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
         with open(self.logdir / f"{name}.log", "ab") as log:
             proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True,
                                     preexec_fn=pin)
-        child = Child(name, proc)
+        child = Child(name, proc, worker=worker)
         self.children.append(child)
         return child
 
@@ -279,7 +279,7 @@ class VllmDeployment(Deployment):
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.core
         port = free_port()
         cpus = None if self.core is None else parse_cores(self.core)
-        child = self.spawn("vllm-server", self.command(port), env, cpus)
+        child = self.spawn("vllm-server", self.command(port), env, cpus, worker=False)
         self.base_url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

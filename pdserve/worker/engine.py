@@ -16,6 +16,7 @@ import msgspec
 from pdserve import protocol
 from pdserve.protocol import EngineInfo, Load, Role
 from pdserve.worker.kv_events import KvEventSource, ZmqKvEvents, endpoints, events_config
+from pdserve.worker.stop_signals import ENGINE_OWN_GROUP_ENV
 
 KV_ROLES = {Role.PREFILL: "kv_producer", Role.DECODE: "kv_consumer", Role.BOTH: "kv_both",
             Role.AUTO: "kv_both"}
@@ -24,7 +25,6 @@ CPU_CONNECTOR_MODULE = "pdserve.kv.cpu_nixl"
 # SamplingParams.extra_args key naming the tokens a leg must draw first (worker/first_token.py)
 FORCED_TOKENS_ARG = "pdserve_forced_tokens"
 FORCED_TOKENS_PROCESSOR = "pdserve.worker.first_token:ForcedTokensProcessor"
-ENGINE_OWN_GROUP_ENV = "PDSERVE_ENGINE_OWN_GROUP"  # read by worker/engine_proc.py
 
 
 class Engine(Protocol):

@@ -1,9 +1,9 @@
 """Runs in every vLLM process (a vLLM general plugin, pyproject.toml); acts in a worker's
-engine core only.
+engine core and its model runners only.
 
-A terminal's Ctrl-C, systemd's default stop and `kill -- -PGID` signal the worker's whole process
-group. vLLM's engine core shuts down at once on SIGINT/SIGTERM, so a group signal used to stop
-the engine under a worker that meant to drain (streams cut short). The engine core therefore
+A terminal's Ctrl-C and `kill -- -PGID` signal the worker's whole process group. vLLM's engine
+core shuts down at once on SIGINT/SIGTERM, so a group signal used to stop the engine under a
+worker that meant to drain (streams cut short). The engine core therefore
 moves to a process group of its own (its model-runner processes, started later, join it): only
 the worker decides when its engine stops. So that no engine outlives its worker (kill -9 of the
 worker), a thread of the engine core waits for the worker to exit and then sends the engine
@@ -14,8 +14,13 @@ re-entrant (a second SIGTERM arriving inside it deadlocked an orphaned engine co
 An engine core still there `grace` seconds later (one stuck in its start, where vLLM's handler
 only marks it for shutdown) is killed with its process group, after unlinking the shared memory
 it maps (vLLM's queues to and from its model runners), which nothing would unlink then.
-The worker names itself in an environment variable; a process whose parent is not that worker
-(a plain vLLM server, the engine core's own children) is left alone.
+
+A process group is not all: systemd's default stop signals every process of the unit, so the
+engine core and its model runners take SIGTERM and SIGINT only from the process that runs them
+(worker/stop_signals.py).
+
+The worker names itself in an environment variable, and the engine core names itself to its
+model runners in another; any other process (a plain vLLM server) is left alone.
 """
 
 from __future__ import annotations
@@ -31,7 +36,9 @@ from pathlib import Path
 
 from vllm.logger import init_logger
 
-from pdserve.worker.engine import ENGINE_OWN_GROUP_ENV
+from pdserve.worker.stop_signals import (ENGINE_CORE_ENV, ENGINE_OWN_GROUP_ENV,
+                                         run_handler, run_handler_in_main_thread,
+                                         stops_only_from)
 
 # Under vLLM's logger: in the engine core only vLLM's handler exists (kv/cpu_nixl.py).
 logger = init_logger(f"vllm.{__name__}")
@@ -40,10 +47,15 @@ logger = init_logger(f"vllm.{__name__}")
 def setup() -> None:
     parent = multiprocessing.parent_process()
     pid = parent.pid if parent is not None else None
-    if pid is None or os.environ.get(ENGINE_OWN_GROUP_ENV) != str(pid):
-        return  # the worker itself, the engine core's own children, or not under a worker
-    follow(pid)
-    os.setpgid(0, 0)
+    if pid is None:
+        return  # not under a worker
+    if os.environ.get(ENGINE_OWN_GROUP_ENV) == str(pid):  # a worker's engine core
+        stops_only_from({pid, os.getpid()}, run_handler)
+        follow(pid)
+        os.setpgid(0, 0)
+        os.environ[ENGINE_CORE_ENV] = str(os.getpid())  # its model runners start later
+    elif os.environ.get(ENGINE_CORE_ENV) == str(pid):  # a model runner of that engine core
+        stops_only_from({pid}, run_handler_in_main_thread)
 
 
 # How long an engine core that lost its worker has to shut down after its SIGTERM (vLLM's own

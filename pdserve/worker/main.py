@@ -1,9 +1,11 @@
 """`pdserve worker`: build the engine for a role, register with the controller(s), serve.
 
 SIGTERM or SIGINT drains (finish in-flight requests, unregister, exit), also when the whole process
-group gets it (Ctrl-C in a terminal, systemd's default stop): the engine's processes keep to a
-group of their own (worker/engine_proc.py) and stop when the worker stops them. A second signal
-stops at once; the controller then moves the streams in flight to other workers.
+group gets it (Ctrl-C in a terminal, `kill -- -PGID`) or every process of the unit does
+(systemd's default stop): the engine's processes keep to a group of their own and take those
+signals only from the process that runs them (worker/engine_proc.py), so they stop when the
+worker stops them. A second signal stops at once; the controller then moves the streams in
+flight to other workers. SIGUSR1 (what `pdserve serve` sends) drains and is never a second.
 
 Exit codes: 0 stopped or drained; 3 refused by every controller (wrong model or settings: a
 restart would be refused again); 4 the engine died (restart the worker).
@@ -173,24 +175,35 @@ def exit_code(worker: PDWorker) -> int:
     return EXIT_REFUSED if worker.refused_by_all else 0
 
 
+# What `pdserve serve` sends its workers to stop them: it drains and never counts as a second
+# signal. systemd's stop of a unit signals every process of it, so a worker under serve gets
+# systemd's SIGTERM too; had serve passed on a SIGTERM as well, the two would have been "again".
+DRAIN_SIGNAL = signal.SIGUSR1
+
+
 def stop_on_signals(worker: PDWorker) -> None:
-    """SIGTERM or SIGINT drains; a second one stops at once."""
+    """SIGTERM or SIGINT drains; a second one stops at once. DRAIN_SIGNAL drains only."""
     signals = []
+
+    def drain(why: str) -> None:
+        if not worker.draining:
+            logger.info("%s: draining (SIGTERM or SIGINT again stops at once)", why)
+            asyncio.ensure_future(worker.drain())
 
     def on_signal(signum: int) -> None:
         signals.append(signum)
+        name = signal.Signals(signum).name
         if len(signals) == 1:
-            logger.info("%s: draining (send it again to stop at once)",
-                        signal.Signals(signum).name)
-            asyncio.ensure_future(worker.drain())
+            drain(name)
         else:
             logger.warning("%s again: stopping now; the controller moves the streams in flight",
-                           signal.Signals(signum).name)
+                           name)
             worker.stop()
 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
+    loop.add_signal_handler(DRAIN_SIGNAL, drain, f"{DRAIN_SIGNAL.name} (the launcher's stop)")
 
 
 def pin(cores: str) -> None:

@@ -1,10 +1,10 @@
 """Operators' habits and engine deaths, with real engines, against the 1P1D `pd_server`.
 
-A signal to a worker's whole process group (Ctrl-C in its terminal, systemd's default stop,
-`kill -- -PGID`) drains the worker as a signal to the worker alone does: the streams in flight
-finish whole. A second Ctrl-C stops at once, and an engine killed under its worker makes the
-worker leave and exit non-zero; either way the streams move to another worker and finish whole,
-equal to one plain engine. The pool's own prefill engine killed under load: the worker exits,
+A signal to a worker's whole process group (Ctrl-C in its terminal, `kill -- -PGID`), or to
+every process of it (systemd's default stop), drains the worker as a signal to the worker alone
+does: the streams in flight finish whole. A second Ctrl-C stops at once, and an engine killed
+under its worker makes the worker leave and exit non-zero; either way the streams move to
+another worker and finish whole, equal to one plain engine. The pool's own prefill engine killed under load: the worker exits,
 `pdserve serve` starts a new one, and serving resumes without a person.
 """
 
@@ -109,6 +109,30 @@ def test_group_signal_drains_a_decode_worker(sig, busy_decode):
     log = w.log()
     assert "draining" in log and "drained and unregistered" in log
     assert "EngineCore: trigger received signal" not in log.split("draining")[0]
+
+
+def test_systemd_stop_of_every_process_drains_a_decode_worker(busy_decode):
+    """systemd's default stop (KillMode=control-group) sends SIGTERM to every process of the
+    unit: the worker, its engine core and model runner too; under `pdserve serve` the worker
+    gets serve's drain signal as well, a moment later. The engine's processes drop theirs, the
+    worker drains once, and the streams finish whole."""
+    from pdserve.bench.soak import tree
+    from pdserve.worker.main import DRAIN_SIGNAL
+
+    w, s, refs = busy_decode("decode-0-systemd", 13_500)
+    procs = tree(w.proc.pid)
+    assert len(procs) >= 3, procs  # the worker, its engine core, its model runner
+    for pid in procs:
+        os.kill(pid, signal.SIGTERM)
+    time.sleep(0.3)
+    os.kill(w.proc.pid, DRAIN_SIGNAL)  # serve's
+    assert s.results() == refs
+    w.proc.wait(120)
+    assert w.proc.returncode == 0
+    log = w.log()
+    assert "drained and unregistered" in log and "stopping now" not in log
+    assert log.count("ignored: this engine process stops when its worker stops it") >= 2
+    assert "EngineCore: trigger received signal" not in log.split("drained")[0]
 
 
 def test_group_ctrl_c_on_a_prefill_worker_mid_prefill(pd_server, pd_client, ref_client,
