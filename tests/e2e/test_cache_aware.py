@@ -1,7 +1,8 @@
 """Cache-aware P/D with real engines (the shared 1P1D `pd_server`, default routing): the engines'
 KV events reach the controller's index, a conversation's later turns read only the KV blocks the
 decode engine lacks, a short remainder is prefilled by the decode worker itself (no handoff),
-and every turn's output equals one plain engine's."""
+every turn's output equals one plain engine's, and a controller that joins late learns what
+an engine holds from the replay of its events."""
 
 from __future__ import annotations
 
@@ -112,3 +113,66 @@ def test_a_restarted_decode_worker_starts_with_nothing_in_the_index(pd_server, r
         assert receipt.startswith("disaggregated") and cached(receipt, "decode") == 0, receipt
     finally:
         extra.stop()
+
+
+def test_a_controller_that_joins_late_learns_the_engine_by_replay(pd_server, reference,
+                                                                 model_dir, logs, tmp_path):
+    """A controller added to a decode worker's controller set mid-run never saw the engine's
+    earlier KV events live: the gap its first live batch shows makes it ask the worker for a
+    replay, which vLLM's replay socket serves, and it then routes on what the engine holds,
+    as the controller that saw everything does."""
+    from procs import Proc, free_port, pdserve, wait_for
+    from test_pool import start_worker
+
+    base, ref, name = pd_server.base, reference.base, "decode-0-late"  # sorts first: ties go to it
+    B = get_json(base + "/pd/workers")[0]["block_size"]
+    file = tmp_path / "controllers"
+    file.write_text("")
+    port, wport = free_port(), free_port()
+    late = Proc("controller-late", pdserve(
+        "controller", "--model", model_dir, "--host", "127.0.0.1", "--port", str(port),
+        "--worker-port", str(wport), "--keys", pd_server.keys,
+        # Local prefill on (for no prompt: none is shorter than 1 token), so that this decode
+        # worker alone is a pool it admits requests to.
+        "--local-prefill-threshold", "1"), logs)
+    other = f"http://127.0.0.1:{port}"
+    extra = start_worker(name, "decode", pd_server, model_dir, logs, "--controllers-file",
+                         str(file), "--discovery-interval", "0.5")
+    try:
+        wait_for(lambda: (index_of(base, name) or {}).get("state") == "ready", 300,
+                 "the extra decode worker", [extra])
+
+        def decoded_there(seed: int) -> list[int]:
+            for k in range(6):  # fresh prompts until one is decoded there
+                prompt = prompt_ids(3 * B + 10, seed=seed + k)
+                _, receipt = complete(base, model_dir, prompt)
+                if f"decode={name} " in receipt:
+                    return prompt
+            raise AssertionError(f"no prompt was decoded on {name}: {receipt}")
+
+        held = decoded_there(7400)
+        wait_for(lambda: index_of(base, name)["kv_index"]["blocks"] >= 3, 20,
+                 "its engine's events in the first controller's index")
+        # The second controller joins the worker's set; it has seen none of those events.
+        wait_for(lambda: get_json(other + "/pd/workers") == [], 120, "the second controller",
+                 [late])
+        file.write_text(f"tcp://127.0.0.1:{wport}\n")
+        wait_for(lambda: (index_of(other, name) or {}).get("state") == "ready", 30,
+                 "the worker registered with the second controller", [late])
+        decoded_there(7500)  # a live batch: the second controller sees what it missed
+        first = lambda: index_of(base, name)["kv_index"]  # noqa: E731
+        second = lambda: index_of(other, name)["kv_index"]  # noqa: E731
+        wait_for(lambda: second()["blocks"] > 0 and not second()["waiting_for_replay"]
+                 and second()["last_seq"] == first()["last_seq"], 30,
+                 "the replay to fill the second controller's index")
+        assert second()["blocks"] == first()["blocks"], (first(), second())
+        assert second()["gaps"] >= 1  # it did learn through a replay
+        # It routes on that: the worker is its only one, and its engine holds the prompt's
+        # three blocks, so the rest (10 tokens) is prefilled there.
+        reply, receipt = complete(other, model_dir, held)
+        assert receipt.startswith("local (cached)") and f"decode={name} " in receipt, receipt
+        assert cached(receipt, "decode") == 3 * B, receipt
+        assert reply == complete(ref, model_dir, held)[0]
+    finally:
+        extra.stop()
+        late.stop()
