@@ -105,7 +105,8 @@ class Admission:
         if t.granted_at is not None:
             return t
         try:
-            await asyncio.wait_for(t.granted.wait(), self.timeout)
+            async with asyncio.timeout(self.timeout):
+                await t.granted.wait()
         except TimeoutError:
             if t.granted_at is None:  # else the slots came in the same instant: keep them
                 self.release(t)

@@ -282,8 +282,9 @@ class Sequence:
                 raise NoWorkerAvailable(side, self.s.queue_timeout)
             self.pool.changed.clear()
             try:
-                await asyncio.wait_for(self.pool.changed.wait(), timeout=min(left, 0.5))
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(min(left, 0.5)):
+                    await self.pool.changed.wait()
+            except TimeoutError:
                 pass
 
     async def _attempt(self) -> AsyncIterator[None]:

@@ -106,7 +106,8 @@ class Discovery:
         found: set[str] = set()
         for name, lookup in sources:
             try:
-                got = await asyncio.wait_for(lookup, self.timeout)
+                async with asyncio.timeout(self.timeout):
+                    got = await lookup
             except (OSError, asyncio.TimeoutError, BadControllerURL, UnicodeDecodeError) as e:
                 if name not in self._failing:
                     self._failing.add(name)

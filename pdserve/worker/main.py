@@ -109,7 +109,8 @@ async def _health_server(port: int, worker, host: str = "0.0.0.0") -> asyncio.Ab
 
     async def handle(reader, writer):
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            async with asyncio.timeout(5):
+                head = await reader.readuntil(b"\r\n\r\n")
             ctype = b"text/plain"
             if head.split(b" ", 2)[1:2] == [b"/metrics"]:
                 status, ctype, body = b"200 OK", CONTENT_TYPE_LATEST.encode(), generate_latest()

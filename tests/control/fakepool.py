@@ -48,6 +48,21 @@ async def wait_until(pred: Callable[[], bool], timeout: float = 5.0, what: str =
         await asyncio.sleep(0.02)
 
 
+async def cancelled_after(task: asyncio.Task, turns: int) -> bool:
+    """Cancel `task` after `turns` turns of the event loop. True when the cancel found it still
+    running, which must then end it with CancelledError wherever it was (Python 3.11's
+    asyncio.wait_for swallows a cancel that comes just as what it waits on finishes)."""
+    for _ in range(turns):
+        await asyncio.sleep(0)
+    if not task.cancel():
+        return False
+    try:
+        await task
+    except asyncio.CancelledError:
+        return True
+    raise AssertionError(f"cancelled after {turns} turns of the loop, it went on and returned")
+
+
 def fast_settings(**kw) -> Settings:
     """Request settings with short waits, so that a failing test fails fast."""
     kw.setdefault("queue_timeout", 1.0)

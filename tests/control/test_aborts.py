@@ -6,7 +6,7 @@ import asyncio
 import random
 
 import pytest
-from fakepool import final_tokens, greedy, wait_until
+from fakepool import cancelled_after, final_tokens, greedy, wait_until
 
 from pdserve import fake
 
@@ -46,6 +46,22 @@ async def test_abort_while_queued_ends_at_once(cluster):
     with pytest.raises(asyncio.CancelledError):
         await task
     await cluster.assert_clean()
+
+
+async def test_a_request_cancelled_as_the_pool_changes_while_it_waits_ends(cluster):
+    await cluster.add("decode")  # no prefill worker: the request waits for the pool to change
+
+    async def request():
+        return [o async for o in cluster.controller.generate(
+            {"type": "token", "prompt_token_ids": PROMPT}, greedy(4), "w1")]
+
+    for turns in range(4):  # before, as and after its wait wakes
+        task = asyncio.create_task(request())
+        await wait_until(lambda: bool(cluster.controller.active), what="the request to wait")
+        await asyncio.sleep(0.05)
+        cluster.controller.pool.changed.set()  # a worker came or went: it looks again
+        assert await cancelled_after(task, turns)
+        await cluster.assert_clean()
 
 
 async def test_abort_call_mid_prefill_ends_the_stream(cluster):

@@ -9,7 +9,7 @@ from http import HTTPStatus
 
 import httpx
 import pytest
-from fakepool import fast_settings, wait_until
+from fakepool import cancelled_after, fast_settings, wait_until
 
 from pdserve.controller.admission import Admission, limits
 from pdserve.errors import Overloaded, QueueTimeout, TooManySequences
@@ -214,6 +214,20 @@ async def test_a_cancelled_waiter_leaves_the_line():
     assert (a.inflight, a.queued) == (1, 0)
     a.release(t)
     assert a.inflight == 0
+
+
+async def test_a_waiter_cancelled_as_its_slot_comes_is_cancelled_and_frees_it():
+    # The client goes away just as a slot frees: its request must end there, not go on to run
+    # for nobody, and the slot must come back.
+    for turns in range(4):  # before, as and after the waiter wakes
+        a = adm(inflight=1, queued=4, timeout=30.0)
+        held = await a.acquire()
+        waiter = asyncio.create_task(a.acquire(1))
+        await wait_until(lambda: a.queued == 1, 2, "the waiter")
+        a.release(held)  # grants the waiter's slot
+        if not await cancelled_after(waiter, turns):
+            a.release(waiter.result())  # it had its slot before the cancel
+        assert (a.inflight, a.queued) == (0, 0)
 
 
 # ---- through vLLM's HTTP app over a controller with fake workers -----------------------------

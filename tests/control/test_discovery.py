@@ -8,7 +8,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from fakepool import fast_settings, final_tokens, greedy, wait_until
+from fakepool import cancelled_after, fast_settings, final_tokens, greedy, wait_until
 
 from pdserve import fake
 from pdserve.errors import ShuttingDown
@@ -57,6 +57,14 @@ async def test_the_controllers_file_is_read_at_every_lookup(tmp_path: Path):
     assert await d.find() == {"tcp://127.0.0.1:8001", "tcp://127.0.0.1:8002"}
     f.write_text("tcp://127.0.0.1:8002\n")
     assert await d.find() == {"tcp://127.0.0.1:8002"}
+
+
+async def test_a_lookup_cancelled_at_any_moment_ends():
+    # A worker's stop cancels its discovery loop wherever it is; a cancel lost as a lookup
+    # finished kept the loop going and the worker's stop waiting on it forever.
+    d = Discovery(["tcp://ctl:8001"], resolver=resolver({"ctl": ["10.0.0.1"]}))
+    for turns in range(4):  # before, during and after the lookup
+        await cancelled_after(asyncio.create_task(d.find()), turns)
 
 
 def test_a_worker_without_a_controller_or_with_a_bad_url_does_not_start():
