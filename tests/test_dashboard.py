@@ -391,6 +391,10 @@ class Rendered:
     # rendered (its 60 s window may slide past a request while chromium runs).
     stats: dict[int, tuple[dict, dict]]
     metrics: dict[tuple[str, frozenset], float]  # /metrics: (name, labels) -> value
+    # /metrics just before and just after each window's page, with a history sample between:
+    # the page shows the pool as it was at a moment inside that pair (the long request's
+    # inter-token gaps go on adding to its histogram).
+    around: dict[int, tuple[dict, dict]]
     screenshot: Path
 
 
@@ -443,12 +447,16 @@ def rendered(pool, tmp_path_factory) -> Rendered:
         return states, stats["in_flight"], totals["completed"], settled(scrape(pool.base))
 
     before = pool_as_json()
-    pages, stats = {}, {}
+    pages, stats, around = {}, {}, {}
     for window in WINDOWS:
         url = f"{pool.base}/pd/dashboard?window={window}"
-        first = get_json(pool.base + "/pd/stats")
+        first, metrics_first = get_json(pool.base + "/pd/stats"), scrape(pool.base)
+        t = get_json(pool.base + "/pd/history?window=300")["now"]
+        wait_for(lambda: get_json(pool.base + "/pd/history?window=300")["t"][-1] > t, 30,
+                 "a history sample after the scrape")
         pages[window] = read_dom(run_chromium(["--dump-dom", url], tmp / "profile"))
         stats[window] = (first, get_json(pool.base + "/pd/stats"))
+        around[window] = (metrics_first, scrape(pool.base))
     run_chromium([f"--screenshot={shot}", "--window-size=1280,2900", "--hide-scrollbars",
                   f"{pool.base}/pd/dashboard?window=300"], tmp / "profile")
     after = pool_as_json()
@@ -461,7 +469,7 @@ def rendered(pool, tmp_path_factory) -> Rendered:
     keep = os.environ.get("PDSERVE_DASHBOARD_SCREENSHOT")  # to look at it
     if keep:
         shutil.copy(shot, keep)
-    return Rendered(pages, stats, scrape(pool.base), shot)
+    return Rendered(pages, stats, scrape(pool.base), around, shot)
 
 
 # ---- tests ------------------------------------------------------------------------------------
@@ -600,26 +608,29 @@ def test_points_match_the_metrics(pool, rendered):
     assert page.routes["handoff"].startswith(f"KV handoffs: {counters[('routes', 'handoff')]:g}")
     assert page.routes["local"] == "local prefills: 0 (0%)"
 
-    # Latency over the whole window: histogram_quantile of the /metrics buckets. The long
-    # request's gaps go on adding to the inter-token histogram: that one matches to 10%.
+    # Latency over the whole window: histogram_quantile of the /metrics buckets, shown to 0.1 ms
+    # and within half of that (the page's figure comes from the history's bucket deltas, whose
+    # float sums can put it on the other side of a rounding). The inter-token histogram goes on
+    # growing with the long request: its figure lies between those of the scrapes around the
+    # page (its gaps fall in one or two adjacent buckets, so the quantile moves one way).
+    def ms(q: str, metrics: dict, series: str) -> float:
+        rows = sorted((float(dict(labels)["le"]), v) for (n, labels), v in metrics.items()
+                      if n == series + "_bucket")
+        got = quantile(int(q[1:]) / 100, [le for le, _ in rows], [v for _, v in rows])
+        assert got is not None and got > 0, (series, q)
+        return got * 1000
+
     for chart, series in (("ttft", "pdserve_time_to_first_token_seconds"),
                           ("itl", "pdserve_inter_token_latency_seconds"),
                           ("handoff", "pdserve_kv_handoff_seconds")):
-        rows = sorted((float(dict(labels)["le"]), v) for (n, labels), v in m.items()
-                      if n == series + "_bucket")
-        bounds, cumulative = [le for le, _ in rows], [v for _, v in rows]
         for q in ("p50", "p99"):
-            want = quantile(int(q[1:]) / 100, bounds, cumulative)
-            assert want is not None and want > 0, (chart, q)
             legend = page.charts[chart].legend[q]
             shown = re.fullmatch(rf"{q}: ([0-9.]+) ms over the window", legend)
             assert shown, legend
-            if chart == "itl":
-                assert float(shown[1]) == pytest.approx(want * 1000, rel=0.1), (chart, q)
-            else:
-                # Shown to 0.1 ms: within half of that (the page's figure comes from the history's
-                # bucket deltas, whose float sums can put it on the other side of a rounding).
-                assert abs(float(shown[1]) - want * 1000) <= 0.05 + 1e-9, (chart, q, legend)
+            scrapes = rendered.around[3600] if chart == "itl" else (m,)
+            figures = [ms(q, scraped, series) for scraped in scrapes]
+            assert min(figures) - 0.05 - 1e-9 <= float(shown[1]) <= max(figures) + 0.05 + 1e-9, (
+                chart, q, legend, figures)
 
     # Per worker: the last point is what /metrics says now (nothing changed since, but the KV
     # usage of the worker that streams the long request).
