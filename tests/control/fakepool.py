@@ -126,11 +126,9 @@ class Cluster:
         self._n += 1
         rid = request_id or f"req-{self._n}"
 
-        async def collect():
+        async with asyncio.timeout(timeout):  # a cancel from the test always ends it
             return [o async for o in self.controller.generate(
                 {"type": "token", "prompt_token_ids": prompt}, params or greedy(), rid)]
-
-        return await asyncio.wait_for(collect(), timeout)
 
     def leaks(self) -> list[str]:
         out = []
