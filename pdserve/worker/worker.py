@@ -478,7 +478,9 @@ class PDWorker:
         task.add_done_callback(lambda _t: self.tasks.pop(key, None))
 
     async def _on_abort(self, i: int, request_ids: list[str]) -> None:
-        # Only this controller's own requests: another's ids are not its to abort.
+        # Only this controller's own requests: another's ids are not its to abort. An id named
+        # twice is aborted once (a second pop would fail the whole message).
+        request_ids = list(dict.fromkeys(request_ids))
         owned = [rid for rid in request_ids if (i, rid) in self.tasks]
         for rid in owned:
             self.tasks.pop((i, rid)).cancel()

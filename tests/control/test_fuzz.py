@@ -136,7 +136,8 @@ async def test_fuzzing_a_worker_from_a_rogue_controller(cluster, monkeypatch):
         await asyncio.gather(fuzz(), _requests_keep_working(cluster, 25))
         for w in (p, d):
             assert not cluster.runs[w.worker_id].done()
-            assert w.links[0].registered  # still serving the real controller
+            real, = [lk for lk in w.links.values() if lk.url == cluster.address]
+            assert real.registered  # still serving the real controller
         await _requests_keep_working(cluster, 5)
         await cluster.assert_clean()
     finally:
@@ -171,3 +172,18 @@ async def test_messages_claiming_another_workers_id_are_ignored(cluster):
         await cluster.assert_clean()
     finally:
         ctx.destroy(0)
+
+
+async def test_an_abort_naming_a_leg_twice_aborts_it(cluster, caplog):
+    await cluster.add("prefill")
+    d, = await cluster.add("decode", decode_delay=0.05)
+    req = asyncio.create_task(cluster.run(PROMPT, greedy(200)))
+    await wait_until(lambda: d.engine.active_requests(), what="decode to start")
+    leg_id, = [leg for leg in cluster.pool.legs if "-d" in leg]
+    worker = cluster.pool.registry.workers[d.worker_id]
+    cluster.pool._reply(worker.identity, protocol.Abort([leg_id, leg_id]))
+    await wait_until(lambda: not d.engine.active_requests(), 2, "the engine to drop the leg")
+    assert "error handling" not in caplog.text
+    req.cancel()
+    await asyncio.gather(req, return_exceptions=True)
+    await cluster.assert_clean()
