@@ -436,9 +436,11 @@ def rendered(pool, tmp_path_factory) -> Rendered:
     shot = tmp / "dashboard.png"
     # A sample after the workers' last heartbeats of the last request, so that the charts
     # hold all of it and the per-worker figures have settled.
-    quiet = pool.last_request + 3
-    wait_for(lambda: get_json(pool.base + "/pd/history?window=300")["t"][-1] > quiet, 60,
-             "a sample after the last request")
+    def sample_after(t: float, timeout: float, what: str) -> None:
+        wait_for(lambda: get_json(pool.base + "/pd/history?window=300")["t"][-1] > t, timeout,
+                 what)
+
+    sample_after(pool.last_request + 3, 60, "a sample after the last request")
 
     def pool_as_json():
         states = _states(pool.base)
@@ -451,9 +453,8 @@ def rendered(pool, tmp_path_factory) -> Rendered:
     for window in WINDOWS:
         url = f"{pool.base}/pd/dashboard?window={window}"
         first, metrics_first = get_json(pool.base + "/pd/stats"), scrape(pool.base)
-        t = get_json(pool.base + "/pd/history?window=300")["now"]
-        wait_for(lambda: get_json(pool.base + "/pd/history?window=300")["t"][-1] > t, 30,
-                 "a history sample after the scrape")
+        sample_after(get_json(pool.base + "/pd/history?window=300")["now"], 30,
+                     "a history sample after the scrape")
         pages[window] = read_dom(run_chromium(["--dump-dom", url], tmp / "profile"))
         stats[window] = (first, get_json(pool.base + "/pd/stats"))
         around[window] = (metrics_first, scrape(pool.base))

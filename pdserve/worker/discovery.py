@@ -108,7 +108,7 @@ class Discovery:
             try:
                 async with asyncio.timeout(self.timeout):
                     got = await lookup
-            except (OSError, asyncio.TimeoutError, BadControllerURL, UnicodeDecodeError) as e:
+            except (OSError, TimeoutError, BadControllerURL, UnicodeDecodeError) as e:
                 if name not in self._failing:
                     self._failing.add(name)
                     logger.warning("controller lookup %s failed (%s: %s); keeping the %d "
