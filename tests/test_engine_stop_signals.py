@@ -63,14 +63,27 @@ def start(code: str, env_name: str) -> subprocess.Popen:
     raise AssertionError(f"the child exited: {p.wait()}")
 
 
-def blocked_but_in_the_taker(pid: int) -> bool:
-    """Whether every thread blocks the stop signals but one: the thread waiting for them (the
-    kernel unblocks them in a thread while it waits in sigwaitinfo)."""
+def open_threads(pid: int) -> tuple[int, int]:
+    """How many threads the process has, and how many of them do not block the stop signals."""
     tasks = list(Path(f"/proc/{pid}/task").iterdir())
     masks = [int(next(line.split()[1] for line in (t / "status").read_text().splitlines()
                       if line.startswith("SigBlk:")), 16) for t in tasks]
-    open_ = [m for m in masks if m & STOPS_MASK != STOPS_MASK]
-    return len(tasks) >= 3 and len(open_) == 1  # vLLM's thread, the main one and the taker
+    return len(tasks), sum(1 for m in masks if m & STOPS_MASK != STOPS_MASK)
+
+
+def blocked_but_in_the_taker(pid: int) -> bool:
+    """Whether every thread blocks the stop signals but one: the thread waiting for them (the
+    kernel unblocks them in a thread while it waits in sigwaitinfo). The taker may print "ready"
+    before it reaches sigwaitinfo, so this waits for that (and fails at once on a second open
+    thread, which would take a stop first)."""
+    for _ in range(500):
+        threads, open_ = open_threads(pid)
+        if open_ > 1:
+            return False
+        if threads >= 3 and open_ == 1:  # vLLM's thread, the main one and the taker
+            return True
+        time.sleep(0.01)
+    return False
 
 
 def from_another_process(sig: int, pid: int) -> None:
