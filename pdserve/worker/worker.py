@@ -37,6 +37,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -95,6 +96,8 @@ class _Link:
     retiring: bool = False  # gone from the controller set: finishing its legs, then closed
     # Outputs made during this turn of the event loop, sent together at its end (see flush).
     pending: list[Output] = field(default_factory=list)
+    # Told of outputs that could not be sent (the worker ends their legs: see _outputs_dropped).
+    dropped: Callable[[list[Output]], None] | None = None
 
     def send(self, msg: protocol._Msg) -> None:
         """Send now, after the outputs made before it (the controller must see a leg's outputs
@@ -120,6 +123,8 @@ class _Link:
         except zmq.Again:
             logger.warning("controller %s unreachable: dropped the outputs of %s", self.url,
                            ", ".join(sorted({o.request_id for o in outs})))
+            if self.dropped is not None:
+                self.dropped(outs)
         except zmq.ZMQError as e:  # closed under us: its controller left
             logger.info("link to %s closed: dropped %d outputs (%s)", self.url, len(outs), e)
 
@@ -153,6 +158,7 @@ class PDWorker:
         self._found: set[str] = set()  # the controller set as discovery last gave it
         self._running = False
         self._replays: set[asyncio.Task] = set()  # KV event replays in progress
+        self._ending: set[asyncio.Task] = set()  # engine aborts of legs whose outputs dropped
         for url in sorted(self.discovery.static() or ()):  # literal addresses: no lookup
             self._found.add(url)
             self._open(url)
@@ -266,7 +272,8 @@ class PDWorker:
     def _open(self, url: str) -> None:
         i, self._next_link = self._next_link, self._next_link + 1
         self.links[i] = _Link(url, transport.worker_socket(self.ctx, url, self.worker_id,
-                                                           self.keys))
+                                                           self.keys),
+                              dropped=lambda outs: self._outputs_dropped(i, outs))
         if self._running:
             logger.info("controller %s joined the set: registering", url)
             self._loops[i] = asyncio.create_task(self._recv_loop(i))
@@ -478,18 +485,43 @@ class PDWorker:
         task.add_done_callback(lambda _t: self.tasks.pop(key, None))
 
     async def _on_abort(self, i: int, request_ids: list[str]) -> None:
-        # Only this controller's own requests: another's ids are not its to abort. An id named
-        # twice is aborted once (a second pop would fail the whole message).
+        await self._end_in_engine(*self._cancel(i, request_ids))
+
+    def _cancel(self, i: int, request_ids: list[str]) -> tuple[list[str], list[tuple[str, dict]]]:
+        """Cancel these legs of link i at once (none sends another output), and say what the
+        engine must still be told: the legs it runs, and the unstarted decode legs whose
+        prefill blocks it must release. Only this controller's own requests: another's ids are
+        not its to abort. An id named twice is cancelled once."""
         request_ids = list(dict.fromkeys(request_ids))
         owned = [rid for rid in request_ids if (i, rid) in self.tasks]
         for rid in owned:
             self.tasks.pop((i, rid)).cancel()
+        unstarted = [(rid, kv) for rid in request_ids
+                     if (kv := self.unstarted.pop((i, rid), None)) is not None]
+        return owned, unstarted
+
+    async def _end_in_engine(self, owned: list[str], unstarted: list[tuple[str, dict]]) -> None:
         if owned:
             await self.engine.abort(owned)
-        for rid in request_ids:
-            kv = self.unstarted.pop((i, rid), None)
-            if kv is not None:
-                await self.engine.release(rid, kv)
+        for rid, kv in unstarted:
+            await self.engine.release(rid, kv)
+
+    def _outputs_dropped(self, i: int, outs: list[Output]) -> None:
+        """Outputs that never reached their controller (its queue was full): a later output of
+        the same leg would leave a hole in the client's stream, so the legs end here, and the
+        controller is told they failed (it moves them on, with what it did stream; if this
+        cannot reach it either, its gap timeout does the same). An error that could not be
+        sent is not sent again."""
+        rids = list(dict.fromkeys(o.request_id for o in outs if o.error is None))
+        owned, unstarted = self._cancel(i, rids)
+        for rid in rids:
+            self._reply(i, Output(rid, [], finished=True, error_kind=ErrorKind.ENGINE,
+                                  error="its outputs to the controller were dropped (the "
+                                        "controller's queue was full)"))
+        if owned or unstarted:
+            task = asyncio.create_task(self._end_in_engine(owned, unstarted))
+            self._ending.add(task)
+            task.add_done_callback(self._ending.discard)
 
     async def _abort_link(self, i: int) -> None:
         await self._on_abort(i, [rid for (j, rid) in list(self.tasks) if j == i])

@@ -6,10 +6,11 @@ import asyncio
 from http import HTTPStatus
 
 import pytest
+import zmq
 from fakepool import fast_settings, final_tokens, greedy, wait_until
 from vllm.exceptions import GracefulHTTPError
 
-from pdserve import fake
+from pdserve import fake, protocol
 from pdserve.protocol import Role
 from pdserve.worker.worker import PDWorker
 
@@ -109,6 +110,40 @@ async def test_empty_pool_is_a_503(cluster):
     with pytest.raises(GracefulHTTPError) as e:
         await cluster.run(PROMPT, greedy(4))
     assert e.value.http_status == HTTPStatus.SERVICE_UNAVAILABLE
+
+
+class DropsOneBatch:
+    """A worker's socket whose send queue is full for one batch of outputs after `after`."""
+
+    def __init__(self, sock, after: int):
+        self.sock, self.left, self.dropped = sock, after, 0
+
+    def send_multipart(self, frames, flags=0, copy=True):
+        msg = protocol.decode([bytes(f) for f in frames])
+        if isinstance(msg, protocol.Output | protocol.Outputs) and not self.dropped:
+            self.left -= 1
+            if self.left < 0:
+                self.dropped += 1
+                raise zmq.Again()
+        return self.sock.send_multipart(frames, flags=flags, copy=copy)
+
+    def __getattr__(self, name):
+        return getattr(self.sock, name)
+
+
+async def test_a_decode_whose_outputs_were_dropped_is_migrated_without_a_hole(cluster):
+    # A later output after a dropped one would stream the answer with tokens missing.
+    await cluster.add("prefill")
+    d1, = await cluster.add("decode", decode_delay=0.01)
+    d2, = await cluster.add("decode")
+    [link] = d1.links.values()
+    link.sock = DropsOneBatch(link.sock, after=5)
+    params = greedy(30)
+    outs = await cluster.run(PROMPT, params)
+    assert link.sock.dropped == 1
+    assert final_tokens(outs) == fake.reference(PROMPT, params).token_ids  # none missing
+    assert len(d2.engine.served) == 1 and retries(cluster, "migration") == 1
+    await cluster.assert_clean()  # the leg was aborted in d1's engine too
 
 
 async def test_stalled_decode_is_timed_out_and_migrated(make_cluster):
