@@ -76,12 +76,15 @@ async def test_abort_call_mid_prefill_ends_the_stream(cluster):
 
 async def test_abort_between_prefill_and_decode_releases_the_prefill_blocks(cluster):
     p, = await cluster.add("prefill")
-    d, = await cluster.add("decode")
+    await cluster.add("decode")
     for how in ("close", "abort"):
         result = await asyncio.wait_for(_client(cluster, f"b-{how}", PROMPT, 1, how), 5)
         assert result in ("aborted", "abort", "ended")
-        await cluster.assert_clean()
-    assert d.engine.kv_reads == 0 and len(p.engine.served) == 2
+        await cluster.assert_clean()  # no blocks held on the prefill engine
+    # The decode leg goes out before the prefill's token is streamed, so the decode engine
+    # may have read the KV before the abort comes (a loaded machine): either way, no blocks
+    # are held after, which assert_clean checks.
+    assert len(p.engine.served) == 2
 
 
 async def test_abort_mid_decode_frees_the_decode_worker(cluster):
