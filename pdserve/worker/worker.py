@@ -157,8 +157,9 @@ class PDWorker:
         self._next_link = 0
         self._found: set[str] = set()  # the controller set as discovery last gave it
         self._running = False
-        self._replays: set[asyncio.Task] = set()  # KV event replays in progress
-        self._ending: set[asyncio.Task] = set()  # engine aborts of legs whose outputs dropped
+        # Tasks nobody awaits (KV event replays, engine aborts of legs whose outputs dropped),
+        # held here so they are not collected mid-run (see _spawn).
+        self._background: set[asyncio.Task] = set()
         for url in sorted(self.discovery.static() or ()):  # literal addresses: no lookup
             self._found.add(url)
             self._open(url)
@@ -338,8 +339,6 @@ class PDWorker:
         except (zmq.ZMQError, OSError) as e:
             logger.warning("KV event replay from %d failed: %s", start, e)
             return
-        finally:
-            self._replays.discard(asyncio.current_task())
         link = self.links.get(i)
         for seq, payload in batches:
             if link is None or not link.registered:
@@ -422,7 +421,7 @@ class PDWorker:
                 elif isinstance(msg, protocol.Leave):
                     await self._on_leave(i, msg)
                 elif isinstance(msg, protocol.KvReplay):
-                    self._replays.add(asyncio.create_task(self._replay_kv_events(i, msg.start)))
+                    self._spawn(self._replay_kv_events(i, msg.start))
                 else:
                     logger.warning("dropped a %s from %s: not a controller message",
                                    type(msg).__name__, link.url)
@@ -519,9 +518,12 @@ class PDWorker:
                                   error="its outputs to the controller were dropped (the "
                                         "controller's queue was full)"))
         if owned or unstarted:
-            task = asyncio.create_task(self._end_in_engine(owned, unstarted))
-            self._ending.add(task)
-            task.add_done_callback(self._ending.discard)
+            self._spawn(self._end_in_engine(owned, unstarted))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _abort_link(self, i: int) -> None:
         await self._on_abort(i, [rid for (j, rid) in list(self.tasks) if j == i])
