@@ -202,6 +202,8 @@ def test_pauses_show_the_gaps_itl_p99_hides() -> None:
     assert p["later_itl_max_ms"] == pytest.approx(300.0)
     assert p["itl_p99.9_ms"] == pytest.approx(60.0)  # the handoff gaps are 1% of all gaps
     assert p["later_itl_p99.9_ms"] == pytest.approx(10.0)
+    assert p["first_gap_p99_ms"] == pytest.approx(60.0)
+    assert p["first_gap_p50_steps"] == pytest.approx(6.0)  # in the later gaps' p50, 10 ms
     assert pauses([Record(1, 1, ttft=0.1, e2e=0.1)]) == {}
 
 

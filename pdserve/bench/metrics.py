@@ -129,13 +129,16 @@ def pauses(records: Sequence[Record]) -> dict[str, float]:
     colocated engine's prefill pauses only the few streams on that engine): ITL p99.9, the
     longest gap, the share of gaps and of requests with a pause >= PAUSE_S, and the p90 over
     requests of each one's worst gap; also the same without each stream's first gap (the KV
-    handoff's, in P/D)."""
+    handoff's, in P/D), and that first gap's p50 and p99 in the later gaps' p50 (the decode
+    step as clients saw it under the same load)."""
     ok = [r for r in records if r.ok and r.itl]
     gaps = [g for r in ok for g in r.itl]
     later = [g for r in ok for g in r.itl[1:]]
     if not gaps:
         return {}
     worst = [max(r.itl) for r in ok]
+    first = percentiles([r.itl[0] for r in ok], (50, 99))
+    step = percentiles(later, (50,))["p50"] if later else float("nan")
     return {
         "itl_p99.9_ms": percentiles(gaps, (99.9,))["p99.9"],
         "itl_max_ms": 1e3 * max(gaps),
@@ -144,6 +147,10 @@ def pauses(records: Sequence[Record]) -> dict[str, float]:
         "worst_gap_p90_ms": percentiles(worst, (90,))["p90"],
         "later_itl_p99.9_ms": percentiles(later, (99.9,))["p99.9"] if later else float("nan"),
         "later_itl_max_ms": 1e3 * max(later) if later else float("nan"),
+        "first_gap_p50_ms": first["p50"],
+        "first_gap_p99_ms": first["p99"],
+        "first_gap_p50_steps": first["p50"] / step if step else float("nan"),
+        "first_gap_p99_steps": first["p99"] / step if step else float("nan"),
     }
 
 

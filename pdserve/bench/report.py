@@ -29,6 +29,12 @@ def fmt_ms(v: float | None) -> str:
     return f"{v:,.0f}" if v >= 100 else f"{v:.1f}"
 
 
+def fmt_ratio(v: float | None) -> str:
+    if v is None or math.isnan(v):
+        return "-"
+    return f"{v:.2f}"
+
+
 def fmt_trio(d: Mapping[str, float]) -> str:
     return " / ".join(fmt_ms(d[k]) for k in ("p50", "p90", "p99"))
 
@@ -57,7 +63,8 @@ def latency_table(results: Mapping[str, Any]) -> list[str]:
 def pause_table(results: Mapping[str, Any]) -> list[str]:
     lines = [("| configuration | rate | ITL p99.9 (ms) | longest gap (ms) | gaps >= 100 ms "
               "| requests with a gap >= 100 ms | worst gap per request, p90 (ms) "
-              "| after the first gap: ITL p99.9 / longest (ms) |"), "|" + "---|" * 8]
+              "| after the first gap: ITL p99.9 / longest (ms) "
+              "| first gap p50 / p99 (ms) | in later ITL p50s |"), "|" + "---|" * 10]
     for name, cfg in results["configs"].items():
         for run in cfg["runs"]:
             p = run["summary"].get("pauses")
@@ -67,7 +74,9 @@ def pause_table(results: Mapping[str, Any]) -> list[str]:
                 f"| {name} | {rate_label(run)} | {fmt_ms(p['itl_p99.9_ms'])} "
                 f"| {fmt_ms(p['itl_max_ms'])} | {p['gaps_paused']:.2%} "
                 f"| {p['requests_paused']:.0%} | {fmt_ms(p['worst_gap_p90_ms'])} "
-                f"| {fmt_ms(p['later_itl_p99.9_ms'])} / {fmt_ms(p['later_itl_max_ms'])} |")
+                f"| {fmt_ms(p['later_itl_p99.9_ms'])} / {fmt_ms(p['later_itl_max_ms'])} "
+                f"| {fmt_ms(p.get('first_gap_p50_ms'))} / {fmt_ms(p.get('first_gap_p99_ms'))} "
+                f"| {fmt_ratio(p.get('first_gap_p50_steps'))} / {fmt_ratio(p.get('first_gap_p99_steps'))} |")
     return lines
 
 

@@ -97,8 +97,9 @@ class Metrics:
         self.kv_read_tokens = Counter("pdserve_kv_read_tokens", "Prompt tokens whose KV decode "
                                       "workers read from prefill workers", registry=r)
         self.handoff_phase = Histogram("pdserve_handoff_phase_seconds", "The KV handoff by "
-                                       "phase: controller, transit (both hops), worker, "
-                                       "schedule, kv_read, first_step (controller/phases.py)",
+                                       "phase: controller, transit (both hops), worker_in, "
+                                       "schedule, kv_read, first_step, worker_out "
+                                       "(controller/phases.py)",
                                        ["phase"], buckets=_TOKEN, registry=r)
         self.kv_bytes = Histogram("pdserve_kv_transfer_bytes", "KV bytes a decode worker read "
                                   "from a prefill worker, per disaggregated sequence",

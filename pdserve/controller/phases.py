@@ -6,11 +6,12 @@ first new token reaching it. Its phases, each measured where it happens:
 - controller: prefill result in -> decode leg sent (the controller's own clock)
 - transit: both hops, controller -> decode worker and back, whatever the hosts' clocks say (the
   leg's round trip at the controller minus the time it spent at the worker)
-- worker: the decode worker's own time, Generate in -> engine, and first output -> sent
+- worker_in: the decode worker's own time from Generate in to its engine queuing the request
 - schedule: the engine queued the request -> asked for its KV (allocated its blocks)
 - kv_read: asked for the KV -> the read done (NIXL; pdserve's connector notes both)
 - first_step: the read done -> the engine's first token (it computes one position: the prefill's
   token's, or the last prompt position again when the token must be drawn again)
+- worker_out: the decode worker's own time from its engine's first token to that output sent
 
 The worker host's times (protocol.Output.timings, KV_READ_STATS) are on its monotonic clock,
 which its engine core shares. Without the connector's read times, kv_read is part of
@@ -21,7 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PHASES = ("controller", "transit", "worker", "schedule", "kv_read", "first_step")
+PHASES = ("controller", "transit", "worker_in", "schedule", "kv_read", "first_step",
+          "worker_out")
 
 
 def handoff_phases(prefill_out: float, decode_sent: float, first_out: float,
@@ -32,7 +34,7 @@ def handoff_phases(prefill_out: float, decode_sent: float, first_out: float,
     received, queued, scheduled, first_token, sent = timings
     out = {"controller": decode_sent - prefill_out,
            "transit": (first_out - decode_sent) - (sent - received),
-           "worker": (queued - received) + (sent - first_token)}
+           "worker_in": queued - received, "worker_out": sent - first_token}
     if read is not None and read[0] and read[1]:
         asked, done = read
         out.update(schedule=asked - queued, kv_read=done - asked, first_step=first_token - done)

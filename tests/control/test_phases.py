@@ -17,7 +17,8 @@ def test_phases_add_up_to_the_handoff_the_controller_saw():
     assert set(got) == set(PHASES)
     assert got["controller"] == pytest.approx(0.002)
     assert got["transit"] == pytest.approx(0.048 - 0.031)  # round trip less the worker's time
-    assert got["worker"] == pytest.approx(0.001 + 0.001)
+    assert got["worker_in"] == pytest.approx(0.001)
+    assert got["worker_out"] == pytest.approx(0.001)
     assert got["schedule"] == pytest.approx(0.002)
     assert got["kv_read"] == pytest.approx(0.017)
     assert got["first_step"] == pytest.approx(0.010)
