@@ -76,7 +76,8 @@ def pause_table(results: Mapping[str, Any]) -> list[str]:
                 f"| {p['requests_paused']:.0%} | {fmt_ms(p['worst_gap_p90_ms'])} "
                 f"| {fmt_ms(p['later_itl_p99.9_ms'])} / {fmt_ms(p['later_itl_max_ms'])} "
                 f"| {fmt_ms(p.get('first_gap_p50_ms'))} / {fmt_ms(p.get('first_gap_p99_ms'))} "
-                f"| {fmt_ratio(p.get('first_gap_p50_steps'))} / {fmt_ratio(p.get('first_gap_p99_steps'))} |")
+                f"| {fmt_ratio(p.get('first_gap_p50_steps'))} "
+                f"/ {fmt_ratio(p.get('first_gap_p99_steps'))} |")
     return lines
 
 
