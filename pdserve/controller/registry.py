@@ -51,6 +51,8 @@ class Worker:
     state: WorkerState = WorkerState.READY
     load: Load = field(default_factory=Load)
     inflight: int = 0  # this controller's requests on the worker right now
+    # `inflight` when the engine's last load report came: the report counts those requests too.
+    inflight_at_report: int = 0
     # Decode streams this controller has chosen it for whose prompts are still being prefilled
     # elsewhere: requests arriving together see each other's choice before any leg is sent.
     reserved: int = 0
@@ -78,9 +80,13 @@ class Worker:
         return self.duty.serves(side)
 
     def score(self) -> float:
-        """Load as seen from here: the engine's last report plus what we sent since, and the
-        decode legs we are about to send."""
-        return self.load.running + self.load.waiting + self.inflight + self.reserved
+        """Load as seen from here: the requests of others in the engine's last report, ours
+        now, and the decode legs we are about to send. Ours are counted from our own books, not
+        the report, which is up to a heartbeat old: after a burst it still counted legs long
+        finished, and a busy worker whose last report came before its stream began looked
+        idler than workers that had finished theirs."""
+        others = max(0, self.load.running + self.load.waiting - self.inflight_at_report)
+        return others + self.inflight + self.reserved
 
     def as_json(self, now: float) -> dict:
         return {
@@ -163,7 +169,7 @@ class Registry:
         if w is None or w.state == WorkerState.DEAD:
             return None
         self.heard(worker_id)
-        w.load = load
+        w.load, w.inflight_at_report = load, w.inflight
         if draining:
             w.state = WorkerState.DRAINING
         return w

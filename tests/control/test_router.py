@@ -52,6 +52,26 @@ def test_least_loaded_prefers_the_lowest_score_then_kv_usage():
     assert ll.choose(reg.ready(Role.PREFILL)).id == "w1"
 
 
+def test_our_requests_count_from_our_books_not_from_a_stale_report():
+    # After a burst: w0 and w1 each last reported two of our legs, which have finished since;
+    # w2 last reported idle, just before we sent it a long stream. The reports are up to a
+    # heartbeat old, so the busy worker must not look idler than the two idle ones.
+    reg = pool(3, Role.DECODE)
+    w0, w1, w2 = (reg.workers[f"w{i}"] for i in range(3))
+    for w in (w0, w1):
+        w.inflight = 2
+        reg.heartbeat(w.id, Load(running=2), draining=False)
+        w.inflight = 0
+    reg.heartbeat("w2", Load(), draining=False)
+    w2.inflight = 1
+    assert [w.score() for w in (w0, w1, w2)] == [0, 0, 1]
+    assert LeastLoaded().choose(reg.ready(Role.DECODE)).id == "w0"
+    # Another controller's requests in the report still count.
+    reg.heartbeat("w0", Load(running=3), draining=False)
+    assert w0.score() == 3
+    assert LeastLoaded().choose(reg.ready(Role.DECODE)).id == "w1"
+
+
 def test_least_loaded_spreads_one_at_a_time_arrivals_and_is_reproducible():
     reg = pool(4)
     ll = LeastLoaded()
