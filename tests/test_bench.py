@@ -10,7 +10,7 @@ from typing import ClassVar
 import numpy as np
 import pytest
 
-from pdserve.bench import cluster, procs, report, scrape, workload
+from pdserve.bench import cluster, handoff, procs, report, scrape, workload
 from pdserve.bench.client import ClientRun, client_args
 from pdserve.bench.metrics import (
     Record,
@@ -425,3 +425,20 @@ def test_cache_figures_come_from_the_controllers_receipt_counters() -> None:
     assert got == {"prompt_tokens_computed": 500, "kv_bytes_moved": 65536,
                    "prefill_cache_hit_rate": 0.6, "decode_cache_hit_rate": 0.6,
                    "handoffs_skipped": 3}
+
+
+def test_handoff_report_compares_each_round_with_its_own_vllm_run():
+    def row(gap: float, itl: float) -> dict:
+        return {"requests": 15, "ok": 15, "ttft_p50_ms": 20.0, "first_gap_p50_ms": gap,
+                "first_gap_p99_ms": gap, "itl_after_p50_ms": itl, "itl_all_p50_ms": itl,
+                "e2e_p50_ms": 400.0, "phases_ms": {"kv_read": 3.0}}
+
+    # The machine ran twice as fast in round 2: each ratio is against the vLLM run beside it.
+    rounds = [{"vllm": {300: row(6.0, 6.0)}, "pdserve": {300: row(18.0, 6.6)}},
+              {"vllm": {300: row(3.0, 3.0)}, "pdserve": {300: row(9.0, 3.3)}}]
+    text = handoff.markdown({"command": "c", "model": "m", "workload": "w", "rounds": rounds})
+    one, two = text.split("## Round 2")
+    assert "## Round 1" in one
+    for part in (one, two):
+        cells = [c.strip() for c in part.split("\n| 300 |")[1].split("\n")[0].split("|")]
+        assert cells[3] == "3.00" and cells[5] == "1.10"  # gap in steps, ITL x vLLM's

@@ -6,7 +6,9 @@ ITL is that engine's decode step as a client sees it), then to pdserve 1P1D on t
 (prefill worker on one, decode worker on the other, every prompt disaggregated). For pdserve the
 first gap of each stream (first token, from the prefill, to the second, the decode worker's
 first) is the handoff; the gaps after it are its decode path. The controller's handoff phases
-are scraped around each length.
+are scraped around each length. With --rounds N the two alternate N times, each round with a
+table of its own: this machine's speed drifts by tens of percent within minutes, so a ratio
+means something only between runs close in time.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ def make_parser() -> argparse.ArgumentParser:
                    "gets the decode core)")
     p.add_argument("--worker-args", default="", help="extra `pdserve worker` arguments")
     p.add_argument("--skip-vllm", action="store_true", help="measure pdserve only")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="vLLM's server then pdserve, this many times (a table each)")
     p.add_argument("--out", default=None, help="default: bench-results/handoff-<timestamp>")
     p.add_argument("--seed", type=int, default=0)
     procs.add_start_and_quiet_args(p)
@@ -93,18 +97,42 @@ def measure(dep: cluster.Deployment, name: str, lengths: list[int], args: argpar
     return res
 
 
+def measure_round(args: argparse.Namespace, model: str, lengths: list[int], cores: list[int],
+                  out: Path) -> dict[str, Any]:
+    """vLLM's server on the decode core, then pdserve 1P1D on both."""
+    (out / "raw").mkdir(parents=True, exist_ok=True)
+    run: dict[str, Any] = {}
+    if not args.skip_vllm:
+        with cluster.VllmDeployment(model, out, core=str(cores[1])) as dep:
+            run["vllm"] = measure(dep, "vllm", lengths, args, model, out)
+    cfg = cluster.Config("handoff-1P1D", prefill=1, decode=1, local_threshold=0)
+    with cluster.PdDeployment(cfg, model, out, worker_args=args.worker_args.split(),
+                              cores=cores) as pd:
+        run["pdserve"] = measure(pd, "pdserve", lengths, args, model, out)
+    return run
+
+
 def markdown(res: dict[str, Any]) -> str:
     lines = ["# pdserve bench handoff", "", f"- command: `{res['command']}`",
-             f"- model: `{res['model']}`", f"- {res['workload']}", "",
-             "| prompt tokens | vLLM's server: ITL p50 (ms) | pdserve: TTFT p50 | first -> second "
+             f"- model: `{res['model']}`", f"- {res['workload']}", ""]
+    for i, run in enumerate(res["rounds"]):
+        if len(res["rounds"]) > 1:
+            lines += [f"## Round {i + 1}", ""]
+        lines += _round(run)
+    return "\n".join(lines) + "\n"
+
+
+def _round(run: dict[str, Any]) -> list[str]:
+    """One round's tables: pdserve against the vLLM run just before it."""
+    lines = ["| prompt tokens | vLLM's server: ITL p50 (ms) | pdserve: TTFT p50 | first -> second "
              "token p50 / p99 | in decode steps (p50) | ITL after it p50 | x vLLM's ITL "
              "| E2E p50 (pdserve / vLLM) |", "|" + "---|" * 8]
 
     def f(v: float | None) -> str:
         return "-" if v is None else f"{v:.1f}"
 
-    for n, pd in res["pdserve"].items():
-        v = res.get("vllm", {}).get(n, {})
+    for n, pd in run["pdserve"].items():
+        v = run.get("vllm", {}).get(n, {})
         step = v.get("itl_all_p50_ms")
         gap, after = pd["first_gap_p50_ms"], pd["itl_after_p50_ms"]
         steps = f"{gap / step:.2f}" if gap and step else "-"
@@ -114,12 +142,12 @@ def markdown(res: dict[str, Any]) -> str:
                      f"{f(pd['e2e_p50_ms'])} / {f(v.get('e2e_p50_ms'))} |")
     lines += ["", "The handoff by phase (the controller's means, ms):", "",
               "| prompt tokens | " + " | ".join(PHASES) + " | sum |", "|" + "---|" * (len(PHASES) + 2)]
-    for n, pd in res["pdserve"].items():
+    for n, pd in run["pdserve"].items():
         ph = pd.get("phases_ms") or {}
         vals = [ph.get(p) for p in PHASES]
         total = sum(x for x in vals if x is not None)
         lines.append(f"| {n} | " + " | ".join(f(x) for x in vals) + f" | {total:.1f} |")
-    return "\n".join(lines) + "\n"
+    return lines + [""]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,19 +158,17 @@ def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     model = resolve_model(args.model, args.preset)
     lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
-    prefill_core, decode_core = (int(c) for c in args.cores.split(","))
+    cores = [int(c) for c in args.cores.split(",")]
+    if args.rounds < 1 or len(cores) != 2:
+        raise SystemExit("pdserve bench handoff: --rounds must be at least 1 and --cores two cores")
     out = Path(args.out or f"bench-results/handoff-{time.strftime('%Y%m%d-%H%M%S')}")
-    (out / "raw").mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     res: dict[str, Any] = {"command": "pdserve bench handoff " + " ".join(argv), "model": model,
                            "workload": f"{args.prompts} sequential requests per length, "
                            f"{args.output_len} output tokens, greedy"}
-    if not args.skip_vllm:
-        with cluster.VllmDeployment(model, out, core=str(decode_core)) as dep:
-            res["vllm"] = measure(dep, "vllm", lengths, args, model, out)
-    cfg = cluster.Config("handoff-1P1D", prefill=1, decode=1, local_threshold=0)
-    with cluster.PdDeployment(cfg, model, out, worker_args=args.worker_args.split(),
-                              cores=[prefill_core, decode_core]) as pd:
-        res["pdserve"] = measure(pd, "pdserve", lengths, args, model, out)
+    res["rounds"] = [measure_round(args, model, lengths, cores,
+                                   out / f"round{r + 1}" if args.rounds > 1 else out)
+                     for r in range(args.rounds)]
     (out / "handoff.json").write_text(json.dumps(res, indent=1))
     text = markdown(res)
     (out / "handoff.md").write_text(text)
