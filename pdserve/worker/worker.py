@@ -394,10 +394,16 @@ class PDWorker:
             await asyncio.sleep(self.heartbeat_interval)
 
     def _load(self) -> protocol.Load:
-        """The engine's load, with the decode steps seen since the last heartbeat."""
+        """The engine's load, with the decode steps seen since the last heartbeat. vLLM reports
+        its figures after each step, so an engine that went idle keeps reporting the requests of
+        its last step until it steps again: they are capped at the legs this worker has in it."""
         load = self.engine.load()
-        load.step_s, load.step_running = self._steps.take()
-        return load
+        legs = len(self.tasks)
+        running = min(load.running, legs)
+        step_s, step_running = self._steps.take()
+        return msgspec.structs.replace(load, running=running,
+                                       waiting=min(load.waiting, legs - running),
+                                       step_s=step_s, step_running=step_running)
 
     async def _recv_loop(self, i: int) -> None:
         link = self.links[i]

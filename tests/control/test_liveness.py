@@ -8,6 +8,8 @@ import asyncio
 import time
 from collections.abc import Callable
 
+import msgspec
+
 from fakepool import fast_settings, final_tokens, greedy, wait_until
 
 from pdserve import fake, protocol
@@ -178,3 +180,36 @@ def test_a_worker_gives_up_on_a_controller_only_after_its_dead_after(monkeypatch
     assert not link.gone(102.9) and link.gone(103.1)
     link.registered = False
     assert not link.gone(1000.0)
+
+
+class _LastStepLoad(fake.FakeEngine):
+    """Reports what vLLM's stat logger keeps after the engine's last step: four requests that
+    have long finished (an idle engine does not step, so nothing updates the figures)."""
+
+    def load(self) -> protocol.Load:
+        return msgspec.structs.replace(super().load(), running=4, waiting=2)
+
+
+async def test_an_idle_engines_last_step_figures_do_not_make_its_worker_look_busy(cluster):
+    w = cluster.start("decode")
+    w.engine = _LastStepLoad(address=w.engine.address, kv_port=w.engine.kv_port)
+    await wait_until(lambda: cluster.is_ready(w.worker_id))
+    await cluster.add("prefill")
+    await cluster.add("decode")
+    beats: list[protocol.Load] = []
+    dispatch = cluster.pool._dispatch
+
+    def listen(identity: bytes, msg) -> None:
+        if isinstance(msg, protocol.Heartbeat) and msg.worker_id == w.worker_id:
+            beats.append(msg.load)
+        dispatch(identity, msg)
+
+    cluster.pool._dispatch = listen
+    await wait_until(lambda: len(beats) >= 2, 5, "heartbeats from the new engine")
+    assert [(b.running, b.waiting) for b in beats] == [(0, 0)] * len(beats)
+    assert cluster.pool.registry.workers[w.worker_id].score() == 0
+    # Both decode workers idle: one at a time, requests alternate between them.
+    for _ in range(2):
+        await cluster.run(PROMPT, greedy(3))
+    assert len(w.engine.served) == 1
+    await cluster.assert_clean()
