@@ -300,16 +300,3 @@ def test_other_reads_finishing_in_the_same_step_still_reach_the_scheduler(schedu
     out = KVConnectorOutput(finished_recving={"in step", "new peer"})
     c.update_connector_output(out)
     assert out.finished_recving == {"new peer"}
-
-
-def test_the_prefill_engines_read_from_are_remembered_up_to_a_bound(scheduler, monkeypatch):
-    monkeypatch.setattr(cpu_nixl, "_MAX_PEERS", 2)
-    c = scheduler
-    for engine in ("P", "Q", "P", "R"):  # Q is the one read from least recently
-        schedule(c, request(engine, engine=engine))
-        c.update_connector_output(KVConnectorOutput(finished_recving={engine}))
-        c.request_finished(request(engine, engine=engine), [])
-    assert schedule(c, request("to Q", engine="Q"))
-    c.update_connector_output(KVConnectorOutput(finished_recving={"to Q"}))
-    c.request_finished(request("to Q", engine="Q"), [])
-    assert not schedule(c, request("to R", engine="R"))

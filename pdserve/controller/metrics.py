@@ -100,8 +100,6 @@ class Metrics:
                                 "the engine did them: in_step (inside the step computing the "
                                 "next token: an idle engine) or own_step (steps of their own)",
                                 ["mode"], registry=r)
-        for mode in ("in_step", "own_step"):
-            self.kv_reads.labels(mode)  # both series from the start, at 0
         self.handoff_phase = Histogram("pdserve_handoff_phase_seconds", "The KV handoff by "
                                        "phase: controller, transit (both hops), worker_in, "
                                        "schedule, kv_read, first_step, worker_out "

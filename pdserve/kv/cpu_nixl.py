@@ -96,7 +96,6 @@ IN_STEP_READS = os.environ.get("PDSERVE_NIXL_IN_STEP_READS", "1") != "0"
 IN_STEP_TIMEOUT_S = 10.0
 # On the metadata the scheduler sends a step's workers: the requests whose reads are in the step.
 _IN_STEP = "pdserve_in_step"
-_MAX_PEERS = 1024  # prefill engines remembered as read from (a restarted one has a new id)
 
 
 class SideChannelTaken(RuntimeError):
@@ -146,7 +145,7 @@ class PDCpuNixlConnector(NixlPullConnector):
         self._may_read_in_step = (current_platform.is_cpu() and IN_STEP_READS
                                   and len(getattr(kv_cache_config, "kv_cache_groups", ())) == 1)
         self._live: set[str] = set()
-        self._peers: dict[str, None] = {}  # least recently read from first, at most _MAX_PEERS
+        self._peers: set[str] = set()
         self._source: dict[str, str] = {}
         self._in_step_chosen: set[str] = set()
         self._in_step_next: set[str] = set()
@@ -328,10 +327,7 @@ class PDCpuNixlConnector(NixlPullConnector):
             if (read := self._reads.get(req_id)) is not None:
                 read[3] = landed.get(req_id, now)
             if req_id not in failed and (engine := self._source.get(req_id)) is not None:
-                self._peers.pop(engine, None)
-                self._peers[engine] = None  # the newest last
-                if len(self._peers) > _MAX_PEERS:  # prefill engines that came and went
-                    del self._peers[next(iter(self._peers))]
+                self._peers.add(engine)
         if in_step := finished & self._in_step_sent:
             # The scheduler takes a finished read as a request waiting for it to be scheduled,
             # and an in-step read's request was scheduled with it. A failed one is failed by
