@@ -335,8 +335,11 @@ class Pool:
             logger.error("refused worker %s at %s: %s", msg.worker_id, msg.address, note)
             self._reply(identity, protocol.RegisterAck(False, note, self.id))
             return
-        if old is not None and old is not worker:
-            # A restarted worker replaces its stale entry; legs on the old engine are gone.
+        if note == "resent":
+            self._reply(identity, self._accepted())
+            return
+        if old is not None:
+            # Registering anew (a restart, or after it dropped its legs): legs on it are gone.
             for leg in [lg for lg in self.legs.values() if lg.worker is old]:
                 self._fail(leg, "worker restarted")
         self._index(worker, msg)

@@ -61,6 +61,7 @@ class Worker:
     queued_prefill_tokens: int = 0
     legs_total: int = 0  # request legs this controller has sent to the worker
     pid: int = 0
+    session: str = ""  # its registration's (protocol.Register)
     kv_events: bool = False  # its engine's prefix-cache events reach the pool's KV index
     kv_block_bytes: int = 0  # bytes of one KV block (0: unknown)
     # What it is given: its role, or for an AUTO worker what the planner assigned (it starts as
@@ -135,18 +136,22 @@ class Registry:
         self._checked: float | None = None  # when expire() last ran
 
     def register(self, msg: Register, identity: bytes) -> tuple[Worker | None, str]:
-        """Admit a worker, or refuse it with a reason that names the mismatch."""
+        """Admit a worker, or refuse it with a reason that names the mismatch. The note says
+        "replaced" for a worker that registers anew (its earlier legs are gone) and "resent"
+        for a Register repeated before its ack arrived (the entry, and its legs, stand)."""
         if self.expected is not None:
             wrong = self.expected.mismatches(msg.info)
             if wrong:
                 return None, "engine settings do not match this pool: " + "; ".join(wrong)
         now = self.clock()
         old = self.workers.get(msg.worker_id)
+        if (old is not None and old.state != WorkerState.DEAD and old.identity == identity
+                and msg.session and msg.session == old.session):
+            return old, "resent"  # its ack was late: the same worker, its legs still running
         worker = Worker(msg.worker_id, Role(msg.role), msg.address, msg.kv_port, msg.info,
                         identity, registered_at=now, last_seen=now, pid=msg.pid,
-                        kv_events=msg.kv_events, kv_block_bytes=msg.kv_block_bytes)
-        if old is not None and old.state != WorkerState.DEAD and old.identity == identity:
-            worker.inflight = old.inflight  # same connection registering again: keep our count
+                        kv_events=msg.kv_events, kv_block_bytes=msg.kv_block_bytes,
+                        session=msg.session)
         if old is not None and old.auto and worker.auto:
             worker.duty = old.duty  # the planner's assignment stands
         self.workers[msg.worker_id] = worker

@@ -87,6 +87,7 @@ class _Link:
     url: str
     sock: zmq.asyncio.Socket
     registered: bool = False
+    session: str = field(default_factory=lambda: uuid.uuid4().hex)  # see protocol.Register
     refused: str | None = None
     controller_id: str = ""
     last_heard: float = field(default_factory=time.monotonic)  # any message from it
@@ -98,6 +99,10 @@ class _Link:
     pending: list[Output] = field(default_factory=list)
     # Told of outputs that could not be sent (the worker ends their legs: see _outputs_dropped).
     dropped: Callable[[list[Output]], None] | None = None
+
+    def unregister(self) -> None:
+        """Its legs are dropped: the next Register starts a new session."""
+        self.registered, self.session = False, uuid.uuid4().hex
 
     def send(self, msg: protocol._Msg) -> None:
         """Send now, after the outputs made before it (the controller must see a leg's outputs
@@ -351,12 +356,13 @@ class PDWorker:
 
     # ---- control plane ---------------------------------------------------------------------
 
-    def _register_msg(self) -> protocol.Register:
+    def _register_msg(self, link: _Link) -> protocol.Register:
         return protocol.Register(self.worker_id, self.role, self.address, self.engine.info,
                                  kv_port=self.kv_port, pid=os.getpid(),
                                  kv_events=self.engine.kv_events is not None,
                                  kv_blocks=self.engine.kv_blocks,
-                                 kv_block_bytes=self.engine.kv_block_bytes)
+                                 kv_block_bytes=self.engine.kv_block_bytes,
+                                 session=link.session)
 
     async def _heartbeat_loop(self) -> None:
         beat = time.monotonic()
@@ -376,7 +382,7 @@ class PDWorker:
                     logger.warning("controller %s silent for %.0f s: aborting its %d requests, "
                                    "registering again when it is back", link.url,
                                    now - link.last_heard, self._count(i))
-                    link.registered = False
+                    link.unregister()
                     await self._abort_link(i)
                 if link.retiring and (not link.registered or not self._count(i)):
                     self._close(i, "left the controller set")
@@ -386,7 +392,7 @@ class PDWorker:
                     msg = protocol.Heartbeat(self.worker_id, load,
                                              self.draining or link.retiring)
                 else:
-                    msg = self._register_msg()
+                    msg = self._register_msg(link)
                 try:
                     link.send(msg)
                 except zmq.Again:
@@ -451,7 +457,7 @@ class PDWorker:
             if link.registered:
                 logger.warning("controller %s no longer knows this worker: aborting its %d "
                                "requests, registering again", link.url, self._count(i))
-            link.registered = False
+            link.unregister()
             await self._abort_link(i)
         else:
             link.refused = ack.reason
@@ -465,7 +471,7 @@ class PDWorker:
         link = self.links[i]
         logger.info("controller %s (%s) is leaving (%s): aborting its %d requests", link.url,
                     msg.controller_id, msg.reason or "no reason given", self._count(i))
-        link.registered = False
+        link.unregister()
         await self._abort_link(i)
 
     # ---- requests --------------------------------------------------------------------------

@@ -113,6 +113,23 @@ async def test_worker_with_the_same_id_replaces_its_stale_entry(cluster):
     assert len(new.engine.served) == 1 and old.engine.served == []
 
 
+async def test_a_register_resent_mid_stream_leaves_the_stream_where_it_is(cluster):
+    # A worker resends Register each beat until its ack arrives; on a loaded machine the ack
+    # comes after the controller has sent it legs. The resent one is not a restart.
+    await cluster.add("prefill")
+    d, = await cluster.add("decode", decode_delay=0.01)
+    run = asyncio.create_task(cluster.run(PROMPT, greedy(40)))
+    await wait_until(lambda: d.engine.active_requests(), what="the decode leg to start")
+    entry = cluster.pool.registry.workers[d.worker_id]
+    link = next(iter(d.links.values()))
+    link.send(d._register_msg(link))
+    outs = await run
+    assert final_tokens(outs) == fake.reference(PROMPT, greedy(40)).token_ids
+    assert len(d.engine.served) == 1  # no second leg: nothing failed it
+    assert cluster.pool.registry.workers[d.worker_id] is entry
+    await cluster.assert_clean()
+
+
 async def test_workers_reregister_with_a_restarted_controller(make_cluster):
     first = await make_cluster()
     ws = [*await first.add("prefill"), *await first.add("decode")]

@@ -30,9 +30,10 @@ def reg(clock):
                     clock=clock)
 
 
-def register(reg, wid: str, role=Role.DECODE, info=INFO, identity: bytes | None = None):
-    return reg.register(Register(wid, role, "10.0.0.1", info, kv_port=5600, pid=7),
-                        identity or wid.encode())
+def register(reg, wid: str, role=Role.DECODE, info=INFO, identity: bytes | None = None,
+             session: str = "s1"):
+    return reg.register(Register(wid, role, "10.0.0.1", info, kv_port=5600, pid=7,
+                                 session=session), identity or wid.encode())
 
 
 NOTHING = ([], [], [])  # an Expiry that found nothing
@@ -204,16 +205,26 @@ def test_same_id_registering_again_replaces_its_entry(reg, clock):
     old.inflight = 4
     reg.mark_dead("d1")
     assert old.state == WorkerState.DEAD
-    new, note = register(reg, "d1", identity=b"d1")
+    new, note = register(reg, "d1")
     assert note == "replaced" and new is not old and new.state == WorkerState.READY
     assert new.inflight == 0  # the dead entry's legs were failed, not carried over
-    # The same live connection registering again keeps this controller's in-flight count.
+    # A new session from the same connection: the worker dropped its legs before registering.
     new.inflight = 2
-    again, _ = register(reg, "d1", identity=b"d1")
-    assert again.inflight == 2
-    # A different connection (a restarted process) starts from zero.
-    other, _ = register(reg, "d1", identity=b"d1-elsewhere")
-    assert other.inflight == 0
+    again, note = register(reg, "d1", session="s2")
+    assert note == "replaced" and again is not new and again.inflight == 0
+
+
+def test_a_register_resent_before_its_ack_keeps_the_entry_and_its_legs(reg, clock):
+    # A worker resends Register each beat until the ack arrives: on a loaded machine the ack
+    # can be later than a beat, after legs were sent to it.
+    first, _ = register(reg, "d1")
+    first.inflight = 3
+    clock.t += 1.0
+    same, note = register(reg, "d1")
+    assert note == "resent" and same is first and same.inflight == 3
+    # The same session from another connection is another process: it replaces the entry.
+    other, note = register(reg, "d1", identity=b"d1-elsewhere")
+    assert note == "replaced" and other is not first and other.inflight == 0
 
 
 def test_counts_and_snapshot(reg, clock):
