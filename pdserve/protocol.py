@@ -231,7 +231,8 @@ class Output(_Msg):
 
 # In a decode leg's last kv_transfer_params: [tokens its engine had cached itself, tokens whose
 # KV it read from the prefill worker, when the read was asked for and when it was done (the
-# worker host's monotonic clock; 0: not seen)] (pdserve/kv/cpu_nixl.py, on the decode side).
+# worker host's monotonic clock; 0: not seen), 1 if the read was inside the step that computed
+# the next position, else 0] (pdserve/kv/cpu_nixl.py, on the decode side).
 KV_READ_STATS = "pdserve_kv_read"
 
 

@@ -1,11 +1,18 @@
-"""The CPU connector's wait for KV reads in flight (pdserve/kv/cpu_nixl.py), with a fake NIXL
-worker and a fake clock: a step that ran no model reports a read that lands within the wait."""
+"""The CPU connector's KV reads (pdserve/kv/cpu_nixl.py), with a fake NIXL worker and a fake
+clock: a step that ran no model reports a read that lands within its wait, and an idle decode
+engine reads a prompt's KV inside the step that computes the prompt's next position."""
 
 from __future__ import annotations
 
+import queue
 from types import SimpleNamespace
 
 import pytest
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.outputs import KVConnectorOutput
 
 from pdserve.kv import cpu_nixl
 
@@ -37,9 +44,33 @@ class FakeNixl:
         return state
 
 
+class FakeWorker:
+    """vLLM's NIXL worker as far as the connector reads it: a read posted is a handle whose
+    states FakeNixl scripts; a request whose peer's handshake is under way waits in
+    _ready_requests until `handshake_done`."""
+
+    def __init__(self, nixl: FakeNixl, transfers: dict[str, list[int]] | None = None):
+        self.nixl_wrapper = nixl
+        self._recving_transfers = {} if transfers is None else transfers
+        self._recv_failures: set[str] = set()
+        self._failed_recv_reqs: queue.Queue = queue.Queue()
+        self._ready_requests: queue.Queue = queue.Queue()
+        self.handles = {}  # request -> the handle a read of it gets
+        self.posted: list[str] = []
+
+    def _read_blocks_for_req(self, req_id, meta):
+        self.posted.append(req_id)
+        self._recving_transfers[req_id] = [self.handles[req_id]]
+
+    def start_load_kv(self, metadata):  # vLLM's: post every read in the metadata
+        for req_id, meta in metadata.reqs_to_recv.items():
+            self._read_blocks_for_req(req_id, meta)
+
+
 def connector(transfers: dict[str, list[int]], nixl: FakeNixl):
-    c = object.__new__(cpu_nixl.PDCpuNixlConnector)  # no engine: only the wait is tested
-    c.connector_worker = SimpleNamespace(_recving_transfers=transfers, nixl_wrapper=nixl)
+    c = object.__new__(cpu_nixl.PDCpuNixlConnector)  # no engine: only the worker side is tested
+    c.connector_worker = FakeWorker(nixl, transfers)
+    c._connector_metadata, c._landed = None, {}
     return c
 
 
@@ -76,3 +107,217 @@ def test_only_a_step_without_a_model_waits(monkeypatch, attn_metadata, waits):
     c._may_wait = True  # a CPU engine with the wait on
     c.start_load_kv(SimpleNamespace(attn_metadata=attn_metadata))
     assert c._wait_for_reads is waits
+
+
+# ---- an idle decode engine reads inside the step that computes the next position -----------
+
+def test_an_in_step_read_is_waited_for_and_its_landing_reported(clock):
+    c = connector({}, FakeNixl({7: ["PROC", "PROC", "DONE"]}))
+    c.connector_worker.handles["r"] = 7
+    c.connector_worker._read_blocks_for_req("r", None)
+    c._land({"r"}, deadline=1.0)
+    assert 0 < clock.now < 1.0
+    assert c.build_connector_worker_meta().landed == {"r": clock.now}
+    assert c.build_connector_worker_meta() is None  # reported once
+
+
+def test_an_in_step_read_waits_out_its_peers_handshake_then_posts_it(clock):
+    worker = FakeWorker(FakeNixl({7: ["DONE"]}))
+    worker.handles["r"] = 7
+    c = connector({}, worker.nixl_wrapper)
+    c.connector_worker = worker
+
+    def handshake_done(seconds):  # the handshake thread queues the request meanwhile
+        clock.now += seconds
+        if clock.now > 0.01 and not worker.posted:
+            worker._ready_requests.put(("r", None))
+    clock.sleep = handshake_done
+    c._land({"r"}, deadline=1.0)
+    assert worker.posted == ["r"] and 0.01 < clock.now < 0.02
+
+
+@pytest.mark.parametrize("failure", ["at post", "handshake", "transfer"])
+def test_a_failed_in_step_read_is_left_to_vllm_to_report(clock, failure):
+    c = connector({}, FakeNixl({7: ["ERR"]}))
+    worker = c.connector_worker
+    if failure == "at post":
+        worker._recv_failures.add("r")
+    elif failure == "handshake":
+        worker._failed_recv_reqs.put("r")
+    else:
+        worker._recving_transfers["r"] = [7]
+    c._land({"r"}, deadline=1.0)
+    assert clock.now == 0.0
+
+
+def test_an_in_step_read_that_never_lands_stops_the_engine(clock):
+    c = connector({"r": [7]}, FakeNixl({7: ["PROC"]}))
+    with pytest.raises(cpu_nixl.InStepReadTimeout, match="'r'"):
+        c._land({"r"}, deadline=0.5)
+    assert clock.now >= 0.5
+
+
+def test_in_step_reads_are_posted_before_the_step_prepares_its_inputs(clock):
+    c = connector({}, FakeNixl({7: ["DONE"], 8: ["DONE"]}))
+    worker = c.connector_worker
+    worker.handles.update(r=7, other=8)
+    meta = NixlConnectorMetadata()
+    meta.reqs_to_recv = {"r": "meta r", "other": "meta other"}
+    setattr(meta, cpu_nixl._IN_STEP, {"r"})
+    c.handle_preemptions(meta)
+    assert worker.posted == ["r"] and list(meta.reqs_to_recv) == ["other"]
+
+
+# ---- the scheduler side chooses which reads are in-step ------------------------------------
+
+@pytest.fixture
+def scheduler(monkeypatch):
+    """The connector's scheduler side over a stand-in for vLLM's: every remote prefill is a read
+    of `remote_num_tokens` tokens, asynchronous."""
+    base = cpu_nixl.NixlPullConnector
+    monkeypatch.setattr(base, "__init__", lambda self, *a: None)
+    monkeypatch.setattr(base, "get_num_new_matched_tokens",
+                        lambda self, req, n: (req.kv_transfer_params["remote_num_tokens"] - n,
+                                              True))
+    monkeypatch.setattr(base, "update_state_after_alloc",
+                        lambda self, req, blocks, n: self.allocated.append(blocks))
+    monkeypatch.setattr(base, "build_connector_meta", lambda self, out: NixlConnectorMetadata())
+    monkeypatch.setattr(base, "update_connector_output", lambda self, out: None)
+    monkeypatch.setattr(base, "request_finished", lambda self, req, blocks: (False, None))
+    monkeypatch.setattr(cpu_nixl, "IN_STEP_READS", True)
+    monkeypatch.setattr(cpu_nixl.current_platform, "is_cpu", lambda: True)
+    c = cpu_nixl.PDCpuNixlConnector(None, KVConnectorRole.SCHEDULER,
+                                    SimpleNamespace(kv_cache_groups=["one"]))
+    c.connector_scheduler = SimpleNamespace(use_host_buffer=False, block_size=BLOCK)
+    c.allocated = []  # the blocks vLLM's NIXL scheduler was given, per allocation
+    return c
+
+
+BLOCK = 128
+
+
+def request(req_id: str, engine: str = "P", context: int = 300, extra: int = 1):
+    """A decode leg: the prefill's context, plus `extra` tokens (1: the prefill's token)."""
+    return SimpleNamespace(request_id=req_id, num_tokens=context + extra, kv_transfer_params={
+        "do_remote_prefill": True, "remote_num_tokens": context, "remote_engine_id": engine})
+
+
+def blocks(hashed: list[bool]) -> KVCacheBlocks:
+    out = [KVCacheBlock(block_id=10 + i) for i in range(len(hashed))]
+    for b, h in zip(out, hashed):
+        if h:
+            b._block_hash = b"hash of block %d" % b.block_id
+    return KVCacheBlocks((out,))
+
+
+def schedule(c, req, hits: int = 0, hashed: list[bool] | None = None) -> bool:
+    """One step that schedules `req` (its first `hits` blocks in the engine's prefix cache, its
+    blocks hashed as `hashed` says after the allocation); whether its read is asynchronous."""
+    count, is_async = c.get_num_new_matched_tokens(req, hits * BLOCK)
+    c.update_state_after_alloc(req, blocks(hashed or [False] * 3), count)
+    return is_async
+
+
+def test_an_idle_engine_reads_in_step_from_a_peer_it_has_read_from(scheduler):
+    c = scheduler
+    assert schedule(c, request("first"))  # a new peer: the handshake is not done yet
+    assert getattr(c.build_connector_meta(None), cpu_nixl._IN_STEP, None) is None
+    c.update_connector_output(KVConnectorOutput(finished_recving={"first"}))
+    c.request_finished(request("first"), [])
+
+    assert not schedule(c, request("second"))
+    meta = c.build_connector_meta(None)
+    assert getattr(meta, cpu_nixl._IN_STEP) == {"second"}
+    out = KVConnectorOutput(finished_recving={"second"},
+                            kv_connector_worker_meta=cpu_nixl.ReadsLanded({"second": 12.5}))
+    c.update_connector_output(out)
+    assert out.finished_recving == set()  # the scheduler would take it for a waiting request
+    _, params = c.request_finished(request("second"), [])
+    assert params["pdserve_kv_read"][3:] == [12.5, 1.0]  # landed when the worker saw it
+
+
+def test_an_in_step_read_reads_the_blocks_vllm_cached_as_it_allocated_them(scheduler):
+    c = scheduler
+    schedule(c, request("first"))
+    c.update_connector_output(KVConnectorOutput(finished_recving={"first"}))
+    c.request_finished(request("first"), [])
+    # A 300-token context, its first block a prefix-cache hit. A synchronous load's blocks are
+    # cached (hashed) as they are allocated: the full second one too, though it is still to read.
+    assert not schedule(c, request("second"), hits=1, hashed=[True, True, False])
+    assert c.allocated[-1].get_unhashed_block_ids_all_groups() == [[11, 12]]
+    c.request_finished(request("second"), [])
+    # A 256-token context fills two blocks; the prefill's token, computed in the step, is in a
+    # third one, which the read does not fill.
+    assert not schedule(c, request("full", context=2 * BLOCK), hashed=[True, True, False])
+    assert c.allocated[-1].get_unhashed_block_ids_all_groups() == [[10, 11]]
+    assert [len(g) for g in c.allocated[-1].blocks] == [2]
+    # An asynchronous read's blocks are cached once it is done: they are passed on as they are.
+    c.request_finished(request("full"), [])
+    schedule(c, request("busy"))
+    assert schedule(c, request("async"), hits=1, hashed=[True, False, False])
+    assert c.allocated[-1].get_unhashed_block_ids_all_groups() == [[11, 12]]
+
+
+def test_reads_stay_in_steps_of_their_own_when_the_engine_is_busy_or_the_peer_unknown(scheduler):
+    c = scheduler
+    schedule(c, request("first"))
+    c.update_connector_output(KVConnectorOutput(finished_recving={"first"}))
+    # "first" still holds blocks (it is streaming): a read in its step would pause it.
+    assert schedule(c, request("busy"))
+    c.update_connector_output(KVConnectorOutput(finished_recving={"busy"}))
+    assert c.build_connector_meta(None) is not None
+    for r in ("first", "busy"):
+        c.request_finished(request(r), [])
+    # A peer whose read failed is not known to be reachable.
+    assert schedule(c, request("to Q", engine="Q"))
+    c.update_connector_output(KVConnectorOutput(finished_recving={"to Q"},
+                                                failed_recving={"to Q"}))
+    c.request_finished(request("to Q", engine="Q"), [])
+    assert schedule(c, request("again to Q", engine="Q"))
+
+
+def test_a_whole_prompt_read_in_step_leaves_its_last_position_to_the_step(scheduler):
+    c = scheduler
+    schedule(c, request("first"))
+    c.update_connector_output(KVConnectorOutput(finished_recving={"first"}))
+    c.request_finished(request("first"), [])
+    # The same context (the prefill's token forced at the next one): the prefill holds the
+    # whole prompt, and the step recomputes its last position.
+    forced = request("forced", extra=0)
+    assert c.get_num_new_matched_tokens(forced, BLOCK) == (300 - 1 - BLOCK, False)
+    c.update_state_after_alloc(forced, blocks([True, False, False]), 300 - 1 - BLOCK)
+    assert c.allocated[-1].get_unhashed_block_ids_all_groups() == [[11, 12]]
+    c.request_finished(forced, [])
+    # Two blocks and one token: the last position is alone in the third block, which is read
+    # all the same. vLLM's reader pairs the blocks it is given with the prefill's last ones:
+    # given two, it would fill them with the prefill's second and third.
+    edge = request("edge", context=2 * BLOCK + 1, extra=0)
+    assert c.get_num_new_matched_tokens(edge, 0) == (2 * BLOCK, False)
+    c.update_state_after_alloc(edge, blocks([True, True, False]), 2 * BLOCK)
+    assert c.allocated[-1].get_unhashed_block_ids_all_groups() == [[10, 11, 12]]
+
+
+def test_other_reads_finishing_in_the_same_step_still_reach_the_scheduler(scheduler):
+    c = scheduler
+    schedule(c, request("first"))
+    c.update_connector_output(KVConnectorOutput(finished_recving={"first"}))
+    c.request_finished(request("first"), [])
+    assert not schedule(c, request("in step"))
+    assert schedule(c, request("new peer", engine="Q"))  # same step, another prefill engine
+    c.build_connector_meta(None)
+    out = KVConnectorOutput(finished_recving={"in step", "new peer"})
+    c.update_connector_output(out)
+    assert out.finished_recving == {"new peer"}
+
+
+def test_the_prefill_engines_read_from_are_remembered_up_to_a_bound(scheduler, monkeypatch):
+    monkeypatch.setattr(cpu_nixl, "_MAX_PEERS", 2)
+    c = scheduler
+    for engine in ("P", "Q", "P", "R"):  # Q is the one read from least recently
+        schedule(c, request(engine, engine=engine))
+        c.update_connector_output(KVConnectorOutput(finished_recving={engine}))
+        c.request_finished(request(engine, engine=engine), [])
+    assert schedule(c, request("to Q", engine="Q"))
+    c.update_connector_output(KVConnectorOutput(finished_recving={"to Q"}))
+    c.request_finished(request("to Q", engine="Q"), [])
+    assert not schedule(c, request("to R", engine="R"))

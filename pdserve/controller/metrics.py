@@ -96,6 +96,12 @@ class Metrics:
                                        "read), by side", ["side"], registry=r)
         self.kv_read_tokens = Counter("pdserve_kv_read_tokens", "Prompt tokens whose KV decode "
                                       "workers read from prefill workers", registry=r)
+        self.kv_reads = Counter("pdserve_kv_reads", "KV reads by decode workers, by where "
+                                "the engine did them: in_step (inside the step computing the "
+                                "next token: an idle engine) or own_step (steps of their own)",
+                                ["mode"], registry=r)
+        for mode in ("in_step", "own_step"):
+            self.kv_reads.labels(mode)  # both series from the start, at 0
         self.handoff_phase = Histogram("pdserve_handoff_phase_seconds", "The KV handoff by "
                                        "phase: controller, transit (both hops), worker_in, "
                                        "schedule, kv_read, first_step, worker_out "
@@ -262,6 +268,8 @@ class Timeline:
                 m.computed_tokens.labels("decode").inc(max(0, route.tokens - route.decode_hit))
         if route.kv_read_tokens is not None:
             m.kv_read_tokens.inc(route.kv_read_tokens)
+        if route.kv_read_in_step is not None:
+            m.kv_reads.labels("in_step" if route.kv_read_in_step else "own_step").inc()
         if route.kv_bytes is not None:
             m.kv_bytes.observe(route.kv_bytes)
 

@@ -28,6 +28,7 @@ class Route:
     decode_hit: int | None = None  # what the decode engine had itself (its report)
     kv_read_tokens: int | None = None  # tokens whose KV it read from the prefill worker
     kv_bytes: int | None = None
+    kv_read_in_step: bool | None = None  # the read was inside the step computing the next token
 
     def placed(self, tokens: int, decode: str, decode_cached: int | None) -> None:
         """A new attempt starts with its decode worker chosen: forget the last one's."""

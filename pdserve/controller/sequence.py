@@ -635,6 +635,8 @@ class Sequence:
         hit, read = int(stats[0]), int(stats[1])
         r = self.route
         r.decode_hit, r.kv_read_tokens = hit, read
+        if len(stats) >= 5 and read:
+            r.kv_read_in_step = bool(stats[4])
         r.kv_bytes = -(-read // d.info.block_size) * d.kv_block_bytes
         self._correct(d, self._ctx, r.decode_cached, hit)
         if self._clock is not None:

@@ -8,10 +8,11 @@ vLLM 0.32's NIXL worker does two things that hurt a CPU-only host (measured in i
    VLLM_CPU_OMP_THREADS_BIND said.
 
 This subclass is loaded through vLLM's out-of-tree hook (``kv_connector_module_path``). On the
-CPU platform it builds the agent with a progress thread that sleeps between polls, and puts the
-thread affinity back to what the engine had. On every platform it fails the engine's start when
-its side-channel port is taken (vLLM would wait for it for good), caps a decode read at what the
-prefill computed and reports what each read moved.
+CPU platform it builds the agent with a progress thread that sleeps between polls, puts the
+thread affinity back to what the engine had, and reads a prompt's KV into an idle decode engine
+inside the step that computes its next position. On every platform it fails the engine's start
+when its side-channel port is taken (vLLM would wait for it for good), caps a decode read at
+what the prefill computed and reports what each read moved.
 """
 
 from __future__ import annotations
@@ -23,11 +24,17 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from pdserve.net import bind_error
 from pdserve.protocol import KV_READ_STATS
@@ -76,17 +83,78 @@ READ_WAIT_S = int(os.environ.get("PDSERVE_NIXL_READ_WAIT_US", "1000")) / 1e6
 _POLL_S = 50e-6
 
 
+# A decode engine holding no other request reads a prompt's KV inside the step that computes the
+# prompt's next position (vLLM's synchronous load: posted before the forward, which waits for it).
+# Read on its own (vLLM's asynchronous load), it is noticed at the end of a step that ran no
+# model, then the engine sleeps 1 ms and schedules the request at the next step: about 2-3 ms
+# more per handoff on an idle engine. With other requests in the engine the read stays
+# asynchronous, as waiting in their step would pause their streams.
+IN_STEP_READS = os.environ.get("PDSERVE_NIXL_IN_STEP_READS", "1") != "0"
+# A read in the step that has not landed by then stops the engine (its worker exits, `pdserve
+# serve` restarts it, the controller retries the leg): the step cannot compute without the KV,
+# and a read given up on could still write into the request's blocks.
+IN_STEP_TIMEOUT_S = 10.0
+# On the metadata the scheduler sends a step's workers: the requests whose reads are in the step.
+_IN_STEP = "pdserve_in_step"
+_MAX_PEERS = 1024  # prefill engines remembered as read from (a restarted one has a new id)
+
+
 class SideChannelTaken(RuntimeError):
     """The KV side-channel port is taken: the engine cannot start."""
+
+
+class InStepReadTimeout(RuntimeError):
+    """A KV read inside a step did not land within IN_STEP_TIMEOUT_S: the engine must stop."""
+
+
+class ReadsLanded(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: when each read inside this step landed (monotonic clock)."""
+
+    def __init__(self, landed: dict[str, float]):
+        self.landed = landed
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        return ReadsLanded({**self.landed, **getattr(other, "landed", {})})
+
+
+def _as_unread(blocks: KVCacheBlocks, hits: int, held: int) -> KVCacheBlocks:
+    """A synchronous load's blocks as vLLM's NIXL scheduler expects an asynchronous one's, to
+    choose what to read: the first `held` (all that hold the prefill's KV), the engine's own
+    prefix-cache hits (the first `hits`) hashed and the rest not. vLLM caches the blocks a
+    synchronous load fills as it allocates them (an asynchronous one's once the read is done),
+    which NIXL would take for hits and not read, and allocates the step's new position too (an
+    asynchronous load's comes at a later step), which NIXL would try to read. All `held` are
+    read, even when the step computes a whole prompt's last position again: vLLM's reader
+    pairs the blocks it is given with the prefill's last ones, so one fewer (a prompt of
+    k blocks and one token) would put each block's KV in the block before."""
+    return KVCacheBlocks(tuple(
+        [b if i < hits or b.is_null else KVCacheBlock(block_id=b.block_id)
+         for i, b in enumerate(group[:held])]
+        for group in blocks.blocks))
 
 
 class PDCpuNixlConnector(NixlPullConnector):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any):
         # Decode side (scheduler): request id -> [tokens its prefix cache had, tokens to read,
-        # when the read was asked for, when it was done] (protocol.KV_READ_STATS).
+        # when the read was asked for, when it was done, 1 if it was in-step]
+        # (protocol.KV_READ_STATS).
         self._reads: dict[str, list[float]] = {}
         self._wait_for_reads = False  # worker side: this step ran no model, so it may wait
         self._may_wait = current_platform.is_cpu() and READ_WAIT_S > 0
+        # In-step reads. Scheduler side: the requests holding blocks here, the prefill engines
+        # read from before (their handshake is done), the engine each read comes from, the
+        # reads chosen to be in-step, and those sent to the workers until they report them.
+        # One KV cache group: vLLM reports a failed read as invalid blocks only then (and the
+        # scheduler fails an in-step read's request from them).
+        self._may_read_in_step = (current_platform.is_cpu() and IN_STEP_READS
+                                  and len(getattr(kv_cache_config, "kv_cache_groups", ())) == 1)
+        self._live: set[str] = set()
+        self._peers: dict[str, None] = {}  # least recently read from first, at most _MAX_PEERS
+        self._source: dict[str, str] = {}
+        self._in_step_chosen: dict[str, int] = {}  # request id -> tokens the prefill holds
+        self._in_step_next: set[str] = set()
+        self._in_step_sent: set[str] = set()
+        self._landed: dict[str, float] = {}  # worker side: in-step reads landed this step
         if role != KVConnectorRole.WORKER or not current_platform.is_cpu():
             super().__init__(vllm_config, role, kv_cache_config)
             return
@@ -119,11 +187,66 @@ class PDCpuNixlConnector(NixlPullConnector):
 
     # ---- a read that lands within the step is reported by it (worker side, CPU) ------------
 
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        # vLLM's model runner calls this with the step's metadata before it prepares the step's
+        # inputs, and starts a synchronous load only after that (~2 ms on a CPU host): post the
+        # in-step reads here so that they move meanwhile (start_load_kv then waits for them).
+        super().handle_preemptions(kv_connector_metadata)
+        in_step = getattr(kv_connector_metadata, _IN_STEP, None)
+        if in_step and self.connector_worker is not None:
+            early = NixlConnectorMetadata()
+            pending = kv_connector_metadata.reqs_to_recv
+            early.reqs_to_recv = {r: pending.pop(r) for r in in_step if r in pending}
+            self.connector_worker.start_load_kv(early)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         # vLLM runs a step without a model (no attention metadata) only to move KV.
         self._wait_for_reads = (self._may_wait
                                 and getattr(forward_context, "attn_metadata", None) is None)
         super().start_load_kv(forward_context, **kwargs)
+        if in_step := getattr(self._connector_metadata, _IN_STEP, None):
+            self._land(in_step, time.monotonic() + IN_STEP_TIMEOUT_S)
+
+    def _land(self, req_ids: set[str], deadline: float) -> None:
+        """Wait until the reads of `req_ids` have landed or failed (vLLM reports a failure, and
+        the scheduler fails the request), posting those whose peer's handshake just ended."""
+        worker = self.connector_worker
+        waiting = set(req_ids)
+        while True:
+            while not worker._ready_requests.empty():  # as vLLM's start_load_kv does
+                worker._read_blocks_for_req(*worker._ready_requests.get_nowait())
+            for req_id in [r for r in waiting if self._settled(r)]:
+                waiting.discard(req_id)
+                self._landed[req_id] = time.monotonic()
+            if not waiting:
+                return
+            if time.monotonic() >= deadline:
+                raise InStepReadTimeout(
+                    f"the KV reads of {sorted(waiting)} did not land within "
+                    f"{IN_STEP_TIMEOUT_S:.0f} s inside an engine step")
+            time.sleep(_POLL_S)
+
+    def _settled(self, req_id: str) -> bool:
+        worker = self.connector_worker
+        if req_id in worker._recv_failures or req_id in worker._failed_recv_reqs.queue:
+            return True
+        handles = worker._recving_transfers.get(req_id)
+        if handles is None:  # not posted yet: its peer's handshake is under way
+            return False
+        return not self._in_flight(handles)
+
+    def _in_flight(self, handles: list[int]) -> bool:
+        """Whether any of these transfers is still moving (a failed one is not: vLLM's own
+        check reports it)."""
+        try:
+            return any(self.connector_worker.nixl_wrapper.check_xfer_state(h) == "PROC"
+                       for h in handles)
+        except Exception:
+            return False
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        landed, self._landed = self._landed, {}
+        return ReadsLanded(landed) if landed else None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         if self._wait_for_reads:
@@ -132,15 +255,9 @@ class PDCpuNixlConnector(NixlPullConnector):
 
     def _until_reads_land(self, deadline: float) -> None:
         """Poll the reads in flight until none is in progress, or the deadline."""
-        worker = self.connector_worker
-        transfers = getattr(worker, "_recving_transfers", None)
+        transfers = getattr(self.connector_worker, "_recving_transfers", None)
         while transfers and time.monotonic() < deadline:
-            try:
-                busy = any(worker.nixl_wrapper.check_xfer_state(h) == "PROC"
-                           for handles in transfers.values() for h in handles)
-            except Exception:  # a failed transfer: vLLM's own check reports it
-                return
-            if not busy:
+            if not any(self._in_flight(handles) for handles in transfers.values()):
                 return
             time.sleep(_POLL_S)
 
@@ -158,22 +275,71 @@ class PDCpuNixlConnector(NixlPullConnector):
             if count and held:
                 count = max(0, min(count, held - num_computed_tokens))
                 is_async = is_async and count > 0
+            self._source[request.request_id] = params.get("remote_engine_id")
+            self._in_step_chosen.pop(request.request_id, None)
+            # The step computes at least one position: the prefill's token's, or, when the
+            # context is the whole prompt, its last one again (as vLLM's scheduler does once
+            # an asynchronous read of the whole prompt is done).
+            in_step = min(count or 0, request.num_tokens - 1 - num_computed_tokens)
+            if is_async and in_step > 0 and self._read_in_step(request):
+                self._in_step_chosen[request.request_id] = num_computed_tokens + count
+                count, is_async = in_step, False
             # vLLM's reader pulls only the blocks past the engine's own prefix-cache hit.
-            self._reads[request.request_id] = [num_computed_tokens, count or 0, 0.0, 0.0]
+            self._reads[request.request_id] = [num_computed_tokens, count or 0, 0.0, 0.0, 0.0]
         return count, is_async
 
+    def _read_in_step(self, request: Any) -> bool:
+        """Whether this read can be in the step that computes the request's next position: the
+        engine holds no other request (nobody else's step waits for it), the peer was read from
+        before (no handshake inside the step) and the read lands straight in the engine's
+        blocks."""
+        sched = self.connector_scheduler
+        return (self._may_read_in_step
+                and not self._live - {request.request_id}
+                and self._source.get(request.request_id) in self._peers
+                and sched is not None and not sched.use_host_buffer)
+
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
+        self._live.add(request.request_id)
         read = self._reads.get(request.request_id)
         if read is not None and num_external_tokens:
             read[2] = time.monotonic()  # the read goes out with this step's metadata
+        covered = self._in_step_chosen.pop(request.request_id, None)
+        if covered is not None and num_external_tokens and read:
+            self._in_step_next.add(request.request_id)
+            read[4] = 1.0
+            size = self.connector_scheduler.block_size
+            blocks = _as_unread(blocks, int(read[0]) // size, -(-covered // size))
         return super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        meta = super().build_connector_meta(scheduler_output)
+        if self._in_step_next:
+            setattr(meta, _IN_STEP, self._in_step_next)
+            self._in_step_sent |= self._in_step_next
+            self._in_step_next = set()
+        return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
         super().update_connector_output(connector_output)
         now = time.monotonic()
-        for req_id in connector_output.finished_recving or ():
+        landed = getattr(connector_output.kv_connector_worker_meta, "landed", {})
+        finished = connector_output.finished_recving or set()
+        failed = connector_output.failed_recving or set()
+        for req_id in finished:
             if (read := self._reads.get(req_id)) is not None:
-                read[3] = now
+                read[3] = landed.get(req_id, now)
+            if req_id not in failed and (engine := self._source.get(req_id)) is not None:
+                self._peers.pop(engine, None)
+                self._peers[engine] = None  # the newest last
+                if len(self._peers) > _MAX_PEERS:  # prefill engines that came and went
+                    del self._peers[next(iter(self._peers))]
+        if in_step := finished & self._in_step_sent:
+            # The scheduler takes a finished read as a request waiting for it to be scheduled,
+            # and an in-step read's request was scheduled with it. A failed one is failed by
+            # vLLM from its blocks (invalid_block_ids).
+            connector_output.finished_recving = finished - in_step
+            self._in_step_sent -= in_step
 
     def request_finished(self, request: Any, block_ids: Any):
         delay, params = super().request_finished(request, block_ids)
@@ -184,6 +350,9 @@ class PDCpuNixlConnector(NixlPullConnector):
         return delay, self._with_read(request, params)
 
     def _with_read(self, request: Any, params: dict[str, Any] | None) -> dict[str, Any] | None:
+        self._live.discard(request.request_id)
+        self._source.pop(request.request_id, None)
+        self._in_step_chosen.pop(request.request_id, None)
         read = self._reads.pop(request.request_id, None)
         if read is None:
             return params

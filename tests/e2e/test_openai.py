@@ -4,6 +4,8 @@ with the official openai client: the tokens must be the same."""
 from __future__ import annotations
 
 import random
+import re
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -94,6 +96,43 @@ def test_handoff_is_real(pd_client, pd_server, model_dir, pool):
     # and the client is told that none of it was cached (the prefill engine computed it all).
     assert full_blocks <= read <= len(prompt)
     assert r.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def labelled(base: str, name: str, label: str) -> dict[str, float]:
+    """A labelled counter's samples by the value of its one label."""
+    with urllib.request.urlopen(base + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return {v: float(x) for v, x in
+            re.findall(rf'^{name}\{{{label}="(\w+)"\}} (\S+)$', text, re.M)}
+
+
+def test_an_idle_decode_engine_reads_the_kv_in_the_step_that_uses_it(
+        pd_client, ref_client, pd_server, model_dir, pool):
+    # One stream at a time: the decode engine holds nothing else when each handoff comes, so it
+    # reads the prompt's KV inside the step that computes the prompt's next token
+    # (pdserve/kv/cpu_nixl.py), and the answers are still one engine's. The prompts share their
+    # first block, which the decode engine has cached after the first: it reads only the rest.
+    # With a stop string the decode leg's context is the prompt alone (controller/sequence.py,
+    # _extends), whose last position the step computes again; the last two prompts end one
+    # token into a block, which is read all the same.
+    block = pool("decode")[0]["block_size"]
+    shared = prompt_ids(block, seed=3299)
+    prompts = [(shared + prompt_ids(150 + 40 * i, seed=3300 + i), None) for i in range(4)]
+    prompts += [(shared + prompt_ids(k * block + 1, seed=3310 + k), ["@@never@@"])
+                for k in (8, 11)]
+    reads = lambda: labelled(pd_server.base, "pdserve_kv_reads_total", "mode")  # noqa: E731
+    hits = lambda: labelled(pd_server.base, "pdserve_prefix_cached_tokens_total", "side")  # noqa: E731
+    reads_before, hits_before = reads(), hits()
+    for p, stop in prompts:
+        ours = stream_complete(pd_client, model_dir, p, max_tokens=8, temperature=0, stop=stop)
+        assert ours == stream_complete(ref_client, model_dir, p, max_tokens=8, temperature=0,
+                                       stop=stop)
+    after = reads()
+    in_step = after.get("in_step", 0) - reads_before.get("in_step", 0)
+    own_step = after.get("own_step", 0) - reads_before.get("own_step", 0)
+    # Only a first read from the prefill engine (a handshake to wait for) has steps of its own.
+    assert in_step + own_step == len(prompts) and in_step >= len(prompts) - 1
+    assert hits()["decode"] - hits_before.get("decode", 0) >= block * (len(prompts) - 1)
 
 
 def test_a_stream_reports_the_prefill_engines_cached_tokens(pd_client, model_dir, pool):
