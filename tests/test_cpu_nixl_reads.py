@@ -1,6 +1,7 @@
 """The CPU connector's KV reads (pdserve/kv/cpu_nixl.py), with a fake NIXL worker and a fake
-clock: a step that ran no model reports a read that lands within its wait, and an idle decode
-engine reads a prompt's KV inside the step that computes the prompt's next position."""
+clock: a step's reads go out before its forward, a step that ran no model reports a read that
+lands within its wait, and an idle decode engine reads a prompt's KV inside the step that
+computes the prompt's next position."""
 
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ class FakeWorker:
 def connector(transfers: dict[str, list[int]], nixl: FakeNixl):
     c = object.__new__(cpu_nixl.PDCpuNixlConnector)  # no engine: only the worker side is tested
     c.connector_worker = FakeWorker(nixl, transfers)
-    c._connector_metadata, c._landed = None, {}
+    c._connector_metadata, c._landed, c._post_early = None, {}, True
     return c
 
 
@@ -157,15 +158,24 @@ def test_an_in_step_read_that_never_lands_stops_the_engine(clock):
     assert clock.now >= 0.5
 
 
-def test_in_step_reads_are_posted_before_the_step_prepares_its_inputs(clock):
+@pytest.mark.parametrize("on_cpu", [True, False])
+def test_a_steps_reads_are_posted_before_it_prepares_its_inputs_on_a_cpu(clock, on_cpu):
+    """vLLM posts an asynchronous read after the forward, done by then on a CPU: the read
+    would move during the next step. Posted as the step begins, it moves during this one."""
     c = connector({}, FakeNixl({7: ["DONE"], 8: ["DONE"]}))
+    c._post_early = on_cpu
     worker = c.connector_worker
     worker.handles.update(r=7, other=8)
     meta = NixlConnectorMetadata()
     meta.reqs_to_recv = {"r": "meta r", "other": "meta other"}
-    setattr(meta, cpu_nixl._IN_STEP, {"r"})
+    setattr(meta, cpu_nixl._IN_STEP, {"r"})  # one in-step read, one asynchronous
     c.handle_preemptions(meta)
-    assert worker.posted == ["r"] and list(meta.reqs_to_recv) == ["other"]
+    if on_cpu:
+        assert worker.posted == ["r", "other"] and meta.reqs_to_recv == {}
+    else:  # a GPU's forward is only launched when vLLM posts the reads: left to it
+        assert worker.posted == [] and list(meta.reqs_to_recv) == ["r", "other"]
+    worker.start_load_kv(meta)  # vLLM's own call, after the forward
+    assert worker.posted == ["r", "other"]  # each read posted once
 
 
 # ---- the scheduler side chooses which reads are in-step ------------------------------------

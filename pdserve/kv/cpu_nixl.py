@@ -9,8 +9,9 @@ vLLM 0.32's NIXL worker does two things that hurt a CPU-only host (measured in i
 
 This subclass is loaded through vLLM's out-of-tree hook (``kv_connector_module_path``). On the
 CPU platform it builds the agent with a progress thread that sleeps between polls, puts the
-thread affinity back to what the engine had, and reads a prompt's KV into an idle decode engine
-inside the step that computes its next position. On every platform it fails the engine's start
+thread affinity back to what the engine had, posts each step's reads before its forward rather
+than after, and reads a prompt's KV into an idle decode engine inside the step that computes
+its next position. On every platform it fails the engine's start
 when its side-channel port is taken (vLLM would wait for it for good), caps a decode read at
 what the prefill computed and reports what each read moved.
 """
@@ -141,6 +142,7 @@ class PDCpuNixlConnector(NixlPullConnector):
         self._reads: dict[str, list[float]] = {}
         self._wait_for_reads = False  # worker side: this step ran no model, so it may wait
         self._may_wait = current_platform.is_cpu() and READ_WAIT_S > 0
+        self._post_early = current_platform.is_cpu()  # worker side: reads go out as steps begin
         # In-step reads. Scheduler side: the requests holding blocks here, the prefill engines
         # read from before (their handshake is done), the engine each read comes from, the
         # reads chosen to be in-step, and those sent to the workers until they report them.
@@ -189,14 +191,16 @@ class PDCpuNixlConnector(NixlPullConnector):
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         # vLLM's model runner calls this with the step's metadata before it prepares the step's
-        # inputs, and starts a synchronous load only after that (~2 ms on a CPU host): post the
-        # in-step reads here so that they move meanwhile (start_load_kv then waits for them).
+        # inputs; it posts an asynchronous read only after the forward (on a GPU the forward is
+        # launched by then, on a CPU it is done), so the read moves during the next step and
+        # its request computes in the one after. Posted here, every read moves during this
+        # step's forward: an in-step read while the inputs are prepared (~2 ms on a CPU host;
+        # start_load_kv then waits for it), an asynchronous one in time for this step's end.
         super().handle_preemptions(kv_connector_metadata)
-        in_step = getattr(kv_connector_metadata, _IN_STEP, None)
-        if in_step and self.connector_worker is not None:
+        pending = kv_connector_metadata.reqs_to_recv
+        if self._post_early and pending and self.connector_worker is not None:
             early = NixlConnectorMetadata()
-            pending = kv_connector_metadata.reqs_to_recv
-            early.reqs_to_recv = {r: pending.pop(r) for r in in_step if r in pending}
+            early.reqs_to_recv, kv_connector_metadata.reqs_to_recv = pending, {}
             self.connector_worker.start_load_kv(early)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
