@@ -81,7 +81,7 @@ def follow(pid: int, grace: float = GRACE_S) -> None:
         me = os.getpid()
         logger.warning("engine core %d: its worker %d is gone and it did not stop within %g s "
                        "of SIGTERM: killing it", me, pid, grace)
-        _unlink_shared_memory()
+        unlink_shared_memory(me)
         if os.getpgid(0) == me:  # its own group: its model runners go with it
             os.killpg(me, signal.SIGKILL)
         os.kill(me, signal.SIGKILL)
@@ -89,12 +89,12 @@ def follow(pid: int, grace: float = GRACE_S) -> None:
     threading.Thread(target=wait, name="pdserve-follow-worker", daemon=True).start()
 
 
-def _unlink_shared_memory() -> None:
-    """Unlink the POSIX shared memory this process maps (Python's `psm_*` segments): a SIGKILL
-    would leave them in /dev/shm, since the resource tracker that unlinks them dies too. The
-    mappings stay valid until the processes using them exit."""
+def unlink_shared_memory(pid: int) -> None:
+    """Unlink the POSIX shared memory process `pid` maps (Python's `psm_*` segments), before it
+    is killed with SIGKILL: they would stay in /dev/shm, since the resource tracker that unlinks
+    them dies too. The mappings stay valid until the processes using them exit."""
     try:
-        maps = Path("/proc/self/maps").read_text()
+        maps = Path(f"/proc/{pid}/maps").read_text()
     except OSError:
         return
     paths = {parts[5] for parts in (line.split(maxsplit=5) for line in maps.splitlines())

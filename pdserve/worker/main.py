@@ -6,6 +6,8 @@ group gets it (Ctrl-C in a terminal, `kill -- -PGID`) or every process of the un
 signals only from the process that runs them (worker/engine_proc.py), so they stop when the
 worker stops them. A second signal stops at once; the controller then moves the streams in
 flight to other workers. SIGUSR1 (what `pdserve serve` sends) drains and is never a second.
+Any of them while the engine is starting stops the engine, and the worker exits once its
+processes are gone.
 
 Exit codes: 0 stopped or drained; 3 refused by every controller (wrong model or settings: a
 restart would be refused again); 4 the engine died (restart the worker).
@@ -14,6 +16,7 @@ restart would be refused again); 4 the engine died (restart the worker).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -146,12 +149,20 @@ async def run(args) -> int:
     settings = EngineSettings(role, advertise_host=host, kv_port=kv_port, cores=args.cores,
                               kv_cache_gib=args.kv_cache_gib, kv_events=not args.no_kv_events)
     keys = transport.Keys.load(args.keys) if args.keys else None
-    engine = VllmEngine(settings, AsyncEngineArgs.from_cli_args(args))
-    worker = PDWorker(engine, role, discovery, worker_id=args.worker_id, address=host,
-                      kv_port=kv_port, keys=keys, heartbeat_interval=args.heartbeat_interval,
-                      drain_timeout=args.drain_timeout,
-                      discovery_interval=args.discovery_interval)
-    stop_on_signals(worker)
+    engine = None
+    try:
+        engine = VllmEngine(settings, AsyncEngineArgs.from_cli_args(args))
+        worker = PDWorker(engine, role, discovery, worker_id=args.worker_id, address=host,
+                          kv_port=kv_port, keys=keys, heartbeat_interval=args.heartbeat_interval,
+                          drain_timeout=args.drain_timeout,
+                          discovery_interval=args.discovery_interval)
+        stop_on_signals(worker)
+    except StoppedDuringStart as e:
+        logger.warning("%s while the engine was starting: stopping it", e)
+        if engine is not None:
+            engine.shutdown()
+        stop_engine_processes()
+        return 0
     health = await _health_server(args.health_port, worker) if args.health_port else None
     logger.info("worker %s (%s) up: KV side channel %s:%d, controllers %s", worker.worker_id,
                 args.role, host, kv_port,
@@ -180,6 +191,60 @@ def exit_code(worker: PDWorker) -> int:
 # signal. systemd's stop of a unit signals every process of it, so a worker under serve gets
 # systemd's SIGTERM too; had serve passed on a SIGTERM as well, the two would have been "again".
 DRAIN_SIGNAL = signal.SIGUSR1
+
+
+class StoppedDuringStart(BaseException):
+    """A stop signal came while the engine was starting (a BaseException, as KeyboardInterrupt
+    is: vLLM's start must not catch it as one of its own errors)."""
+
+
+def stop_during_start() -> None:
+    """Until stop_on_signals takes over: a stop signal ends the engine's start. Left to their
+    defaults, SIGTERM and SIGUSR1 killed the worker at once and its engine core (in a group of
+    its own, engine_proc.py) went on starting, orphaned, until its watcher stopped it: `pdserve
+    serve` said "stopped" while an engine was still there."""
+    def on_signal(signum, _frame) -> None:
+        raise StoppedDuringStart(signal.Signals(signum).name)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, DRAIN_SIGNAL):
+        signal.signal(sig, on_signal)
+
+
+# How long an engine core that was starting has, after its SIGTERM, to finish its start and
+# shut down (vLLM's handler only marks a starting engine for shutdown) before it is killed.
+START_STOP_GRACE_S = 30.0
+
+
+def stop_engine_processes(grace: float = START_STOP_GRACE_S) -> None:
+    """Stop the engine core this worker was starting, with its model runners (its process
+    group), and wait until they are gone: at most `grace` seconds, or until a second SIGTERM
+    or SIGINT."""
+    import multiprocessing
+    import time
+
+    from pdserve.worker.engine_proc import unlink_shared_memory
+
+    again: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: again.append(signum))
+    signal.signal(DRAIN_SIGNAL, signal.SIG_IGN)  # never a second signal
+    cores = {p.pid: p for p in multiprocessing.active_children() if p.pid is not None}
+    for pid in cores:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while any(p.is_alive() for p in cores.values()) and time.monotonic() < deadline and not again:
+        time.sleep(0.1)
+    for pid, p in cores.items():
+        if p.is_alive():
+            logger.warning("engine core %d did not stop %s: killing it", pid,
+                           "before a second signal" if again else f"within {grace:g} s")
+            unlink_shared_memory(pid)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)  # its own group: its model runners with it
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)  # killed before it made that group
+            p.join(5)
 
 
 def stop_on_signals(worker: PDWorker) -> None:
@@ -283,4 +348,5 @@ def main(argv: list[str] | None = None) -> int:
     if args.cores is not None:
         pin(args.cores)
     args.model = resolve_model(args.model)
+    stop_during_start()
     return asyncio.run(run(args))

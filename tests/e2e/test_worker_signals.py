@@ -20,6 +20,8 @@ from procs import engine_core_pid, get_json, wait_for
 from test_openai import complete, prompt_ids
 from test_pool import start_worker, workers
 
+from pdserve.worker.main import DRAIN_SIGNAL
+
 STREAMS, MAX_TOKENS = 6, 200
 
 
@@ -117,7 +119,6 @@ def test_systemd_stop_of_every_process_drains_a_decode_worker(busy_decode):
     gets serve's drain signal as well, a moment later. The engine's processes drop theirs, the
     worker drains once, and the streams finish whole."""
     from pdserve.bench.soak import tree
-    from pdserve.worker.main import DRAIN_SIGNAL
 
     w, s, refs = busy_decode("decode-0-systemd", 13_500)
     procs = tree(w.proc.pid)
@@ -133,6 +134,60 @@ def test_systemd_stop_of_every_process_drains_a_decode_worker(busy_decode):
     assert "drained and unregistered" in log and "stopping now" not in log
     assert log.count("ignored: this engine process stops when its worker stops it") >= 2
     assert "EngineCore: trigger received signal" not in log.split("drained")[0]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _group(pgid: int) -> list[int]:
+    """The live processes of process group `pgid`."""
+    out = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(entry))
+    return out
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, DRAIN_SIGNAL], ids=["ctrl-c", "serve-stop"])
+def test_a_stop_while_the_engine_starts_leaves_no_engine_behind(sig, pd_server, model_dir, logs):
+    """Ctrl-C in the worker's terminal, or `pdserve serve`'s stop, while its engine is still
+    starting: the worker stops the engine and exits once its processes are gone. (Left to the
+    signals' defaults, the worker died at once and its engine core went on starting, orphaned,
+    after serve had said "stopped".)"""
+    from pdserve.bench.soak import tree
+
+    w = start_worker(f"decode-starting-{sig.name.lower()}", "decode", pd_server, model_dir,
+                     logs)
+    try:
+        def core_started() -> bool:
+            try:
+                return engine_core_pid(w.pid) > 0
+            except AssertionError:
+                return False
+        wait_for(core_started, 120, "the engine core to start", [w])
+        core = engine_core_pid(w.pid)
+        assert not ready(pd_server, f"decode-starting-{sig.name.lower()}")
+        family = tree(w.pid)
+        if sig == signal.SIGINT:
+            w.signal(sig)  # the terminal's whole group
+        else:
+            os.kill(w.pid, sig)  # serve signals the worker alone
+        w.proc.wait(90)
+        assert w.proc.returncode == 0, w.log()[-3000:]
+        assert "while the engine was starting: stopping it" in w.log()
+        assert [p for p in family if _alive(p)] == [] and _group(core) == []
+    finally:
+        w.stop()
 
 
 def test_group_ctrl_c_on_a_prefill_worker_mid_prefill(pd_server, pd_client, ref_client,
