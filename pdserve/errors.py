@@ -58,6 +58,21 @@ class QueueTimeout(Refused):
         super().__init__(message, HTTPStatus.SERVICE_UNAVAILABLE, "queue_timeout", retry_after)
 
 
+# A worker registers within a heartbeat of its engine being ready, and an engine starts in tens
+# of seconds: a client told to come back in a few seconds neither hammers nor waits long.
+NO_WORKER_RETRY_AFTER_S = 5
+
+
+class NoWorkerReady(Refused):
+    """No worker of a role the request needs is ready (503): the pool is starting, or its last
+    worker of that role left."""
+
+    def __init__(self, side: Role):
+        super().__init__(f"no {side.label} worker is available", HTTPStatus.SERVICE_UNAVAILABLE,
+                         "no_worker", NO_WORKER_RETRY_AFTER_S)
+        self.side = side
+
+
 class ShuttingDown(Refused):
     """The controller is stopping (503): another replica, or this one restarted, will serve."""
 

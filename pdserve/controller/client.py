@@ -24,7 +24,7 @@ from pdserve.controller.pool import Pool
 from pdserve.controller.router import make_policy
 from pdserve.controller.sequence import Placer, Sequence, Settings, State
 from pdserve.controller.stream import Stream
-from pdserve.errors import Refused, ShuttingDown
+from pdserve.errors import NoWorkerReady, Refused, ShuttingDown
 from pdserve.protocol import Role
 
 logger = logging.getLogger(__name__)
@@ -74,8 +74,7 @@ class PDController(EngineClient):
             # A suspect worker may be back in a moment: the request waits for it (queue timeout).
             if not self.pool.registry.ready(side, suspect=True):
                 self.metrics.rejected_no_worker(side.label)
-                raise GracefulHTTPError(f"no {side.label} worker is available",
-                                        HTTPStatus.SERVICE_UNAVAILABLE)
+                raise NoWorkerReady(side)
         # Likewise a full admission queue is a real 429 (with Retry-After, see server.py).
         try:
             self.admission.check(n)
