@@ -120,3 +120,15 @@ def exited(pid: int) -> bool:
     except OSError:
         return True
     return stat[stat.rindex(")") + 2] == "Z"
+
+
+def gone(pgid: int, timeout: float = 10.0) -> bool:
+    """Whether nothing of process group `pgid` is left (init reaps orphans: give it time)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False

@@ -12,6 +12,8 @@ import time
 
 import pytest
 
+from procs import gone
+
 from pdserve.launcher import wait_ready
 from pdserve.supervisor import (Backoff, Child, ChildExited, Supervisor, stop_children,
                                 supervise)
@@ -180,18 +182,6 @@ def real_spawner():
         c.signal_group(signal.SIGKILL)
         c.proc.wait(30)
         c.proc.stdout.close()
-
-
-def gone(pgid: int, timeout: float = 10.0) -> bool:
-    """Whether nothing of process group `pgid` is left (init reaps orphans: give it time)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_the_loop_restarts_a_crashing_worker_with_growing_waits(real_spawner, caplog) -> None:

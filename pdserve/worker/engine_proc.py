@@ -81,18 +81,25 @@ def follow(pid: int, grace: float = GRACE_S) -> None:
         me = os.getpid()
         logger.warning("engine core %d: its worker %d is gone and it did not stop within %g s "
                        "of SIGTERM: killing it", me, pid, grace)
-        unlink_shared_memory(me)
-        if os.getpgid(0) == me:  # its own group: its model runners go with it
-            os.killpg(me, signal.SIGKILL)
-        os.kill(me, signal.SIGKILL)
+        kill(me)
 
     threading.Thread(target=wait, name="pdserve-follow-worker", daemon=True).start()
 
 
-def unlink_shared_memory(pid: int) -> None:
-    """Unlink the POSIX shared memory process `pid` maps (Python's `psm_*` segments), before it
-    is killed with SIGKILL: they would stay in /dev/shm, since the resource tracker that unlinks
-    them dies too. The mappings stay valid until the processes using them exit."""
+def kill(pid: int) -> None:
+    """SIGKILL engine core `pid` and, once it leads its own group, its model runners with it,
+    unlinking the shared memory it maps first."""
+    _unlink_shared_memory(pid)
+    with contextlib.suppress(ProcessLookupError):
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)
+
+
+def _unlink_shared_memory(pid: int) -> None:
+    """Unlink the POSIX shared memory process `pid` maps (Python's `psm_*` segments): a SIGKILL
+    would leave them in /dev/shm, since the resource tracker that unlinks them dies too. The
+    mappings stay valid until the processes using them exit."""
     try:
         maps = Path(f"/proc/{pid}/maps").read_text()
     except OSError:

@@ -16,7 +16,6 @@ restart would be refused again); 4 the engine died (restart the worker).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import signal
@@ -133,7 +132,7 @@ async def _health_server(port: int, worker, host: str = "0.0.0.0") -> asyncio.Ab
     return await asyncio.start_server(handle, host, port)
 
 
-async def run(args) -> int:
+async def run(args, starting: StartSignals) -> int:
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     from pdserve.worker.engine import EngineSettings, VllmEngine
@@ -161,7 +160,7 @@ async def run(args) -> int:
         logger.warning("%s while the engine was starting: stopping it", e)
         if engine is not None:
             engine.shutdown()
-        stop_engine_processes()
+        stop_engine_processes(starting)
         return 0
     health = await _health_server(args.health_port, worker) if args.health_port else None
     logger.info("worker %s (%s) up: KV side channel %s:%d, controllers %s", worker.worker_id,
@@ -198,16 +197,29 @@ class StoppedDuringStart(BaseException):
     is: vLLM's start must not catch it as one of its own errors)."""
 
 
-def stop_during_start() -> None:
-    """Until stop_on_signals takes over: a stop signal ends the engine's start. Left to their
+class StartSignals:
+    """Stop signals before stop_on_signals takes over. The first ends the engine's start
+    (StoppedDuringStart); later ones are counted as stop_on_signals counts them. Left to their
     defaults, SIGTERM and SIGUSR1 killed the worker at once and its engine core (in a group of
     its own, engine_proc.py) went on starting, orphaned, until its watcher stopped it: `pdserve
     serve` said "stopped" while an engine was still there."""
-    def on_signal(signum, _frame) -> None:
-        raise StoppedDuringStart(signal.Signals(signum).name)
 
-    for sig in (signal.SIGTERM, signal.SIGINT, DRAIN_SIGNAL):
-        signal.signal(sig, on_signal)
+    def __init__(self) -> None:
+        self.signals: list[int] = []
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT, DRAIN_SIGNAL):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        self.signals.append(signum)
+        if len(self.signals) == 1:
+            raise StoppedDuringStart(signal.Signals(signum).name)
+
+    @property
+    def again(self) -> bool:
+        """A second SIGTERM or SIGINT: stop at once (DRAIN_SIGNAL is never a second)."""
+        return sum(s != DRAIN_SIGNAL for s in self.signals) >= 2
 
 
 # How long an engine core that was starting has, after its SIGTERM, to finish its start and
@@ -215,35 +227,27 @@ def stop_during_start() -> None:
 START_STOP_GRACE_S = 30.0
 
 
-def stop_engine_processes(grace: float = START_STOP_GRACE_S) -> None:
+def stop_engine_processes(starting: StartSignals, grace: float = START_STOP_GRACE_S) -> None:
     """Stop the engine core this worker was starting, with its model runners (its process
     group), and wait until they are gone: at most `grace` seconds, or until a second SIGTERM
     or SIGINT."""
     import multiprocessing
     import time
 
-    from pdserve.worker.engine_proc import unlink_shared_memory
+    from pdserve.worker import engine_proc
 
-    again: list[int] = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, _frame: again.append(signum))
-    signal.signal(DRAIN_SIGNAL, signal.SIG_IGN)  # never a second signal
-    cores = {p.pid: p for p in multiprocessing.active_children() if p.pid is not None}
-    for pid in cores:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
+    cores = [p for p in multiprocessing.active_children() if p.pid is not None]
+    for p in cores:
+        p.terminate()  # SIGTERM, which an engine core takes from its worker
     deadline = time.monotonic() + grace
-    while any(p.is_alive() for p in cores.values()) and time.monotonic() < deadline and not again:
+    while (any(p.is_alive() for p in cores) and time.monotonic() < deadline
+           and not starting.again):
         time.sleep(0.1)
-    for pid, p in cores.items():
-        if p.is_alive():
-            logger.warning("engine core %d did not stop %s: killing it", pid,
-                           "before a second signal" if again else f"within {grace:g} s")
-            unlink_shared_memory(pid)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)  # its own group: its model runners with it
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)  # killed before it made that group
+    for p in cores:
+        if p.is_alive() and p.pid is not None:
+            logger.warning("engine core %d did not stop %s: killing it", p.pid,
+                           "before a second signal" if starting.again else f"within {grace:g} s")
+            engine_proc.kill(p.pid)
             p.join(5)
 
 
@@ -348,5 +352,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.cores is not None:
         pin(args.cores)
     args.model = resolve_model(args.model)
-    stop_during_start()
-    return asyncio.run(run(args))
+    starting = StartSignals()
+    starting.install()
+    return asyncio.run(run(args, starting))

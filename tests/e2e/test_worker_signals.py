@@ -16,7 +16,7 @@ import threading
 import time
 
 import pytest
-from procs import engine_core_pid, get_json, wait_for
+from procs import engine_core_pid, exited, get_json, gone, wait_for
 from test_openai import complete, prompt_ids
 from test_pool import start_worker, workers
 
@@ -136,28 +136,6 @@ def test_systemd_stop_of_every_process_drains_a_decode_worker(busy_decode):
     assert "EngineCore: trigger received signal" not in log.split("drained")[0]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _group(pgid: int) -> list[int]:
-    """The live processes of process group `pgid`."""
-    out = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            out.append(int(entry))
-    return out
-
-
 @pytest.mark.parametrize("sig", [signal.SIGINT, DRAIN_SIGNAL], ids=["ctrl-c", "serve-stop"])
 def test_a_stop_while_the_engine_starts_leaves_no_engine_behind(sig, pd_server, model_dir, logs):
     """Ctrl-C in the worker's terminal, or `pdserve serve`'s stop, while its engine is still
@@ -185,7 +163,7 @@ def test_a_stop_while_the_engine_starts_leaves_no_engine_behind(sig, pd_server, 
         w.proc.wait(90)
         assert w.proc.returncode == 0, w.log()[-3000:]
         assert "while the engine was starting: stopping it" in w.log()
-        assert [p for p in family if _alive(p)] == [] and _group(core) == []
+        assert all(exited(p) for p in family) and gone(core)
     finally:
         w.stop()
 
