@@ -231,7 +231,7 @@ def test_the_worker_command_without_cores_runs_on_the_core_it_claimed(lock_dir: 
     """`pdserve worker` up to building its engine (vLLM is imported, no engine is started)."""
     code = ("import asyncio, os, sys\n"
             "import pdserve.worker.main as m\n"
-            "async def run(args):\n"
+            "async def run(args, starting):\n"
             "    print(args.cores, sorted(os.sched_getaffinity(0)), flush=True)\n"
             "    return 0\n"
             "m.run = run\n"
