@@ -122,6 +122,22 @@ def exited(pid: int) -> bool:
     return stat[stat.rindex(")") + 2] == "Z"
 
 
+def survivors(pids: list[int], timeout: float = 10.0) -> dict[int, str]:
+    """Those of `pids` still running after up to `timeout`, with their command lines (a child
+    that stops when it sees its parent gone, as multiprocessing's resource tracker does, takes a
+    moment after the parent's exit)."""
+    deadline = time.monotonic() + timeout
+    while (left := [p for p in pids if not exited(p)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    out = {}
+    for pid in left:
+        try:
+            out[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            pass
+    return out
+
+
 def gone(pgid: int, timeout: float = 10.0) -> bool:
     """Whether nothing of process group `pgid` is left (init reaps orphans: give it time)."""
     deadline = time.monotonic() + timeout
