@@ -27,11 +27,17 @@ class WorkerTree:
     role: str
     cores: str
     engine_cores: list[int] = field(default_factory=list)  # VLLM::EngineCore processes
-    engine_workers: list[int] = field(default_factory=list)  # VLLM::Worker (the model runner)
+    engine_workers: list[int] = field(default_factory=list)  # VLLM::Worker (model runners)
 
     @property
     def pids(self) -> list[int]:
         return [self.pid, *self.engine_cores, *self.engine_workers]
+
+    @property
+    def model_process(self) -> int:
+        """The process that runs the model: a model runner if the engine has one, else its
+        engine core."""
+        return (self.engine_workers or self.engine_cores)[0]
 
 
 def _stat(pid: int) -> list[str]:
@@ -126,8 +132,16 @@ def trees(pd_server) -> dict[str, WorkerTree]:
     t = worker_trees(pd_server.proc.pid)
     assert set(t) == {"prefill", "decode"}, t
     for tree in t.values():
-        assert len(tree.engine_cores) == 1 and len(tree.engine_workers) == 1, tree
+        assert len(tree.engine_cores) == 1, tree
     return t
+
+
+def test_each_engine_runs_its_model_in_its_engine_core(trees):
+    """No model-runner process beside the engine core: on one core the two would busy-poll
+    each other's queues (vLLM CPU's default executor)."""
+    for role, t in trees.items():
+        assert t.engine_workers == [], f"{role} engine has model runners: {t}"
+        assert t.model_process == t.engine_cores[0]
 
 
 def test_the_whole_worker_keeps_to_its_cores(trees):
@@ -138,13 +152,14 @@ def test_the_whole_worker_keeps_to_its_cores(trees):
     if len(os.sched_getaffinity(0)) == 2:
         assert given == {"prefill": {0}, "decode": {1}}
     for role, t in trees.items():
-        [pid] = t.engine_workers
+        pid = t.model_process
         threads = thread_affinities(pid)
-        # The model runner's main thread (NIXL's base worker re-pins it to the last core: the
+        # The model process's main thread (NIXL's base worker re-pins it to the last core: the
         # stolen core of issue 7) and its OpenMP compute threads, which carry its name.
-        compute = {tid: a for tid, a in threads.items() if tid == pid or a[0] == "VLLM::Worker"}
+        name = _comm(pid)
+        compute = {tid: a for tid, a in threads.items() if tid == pid or a[0] == name}
         assert pid in compute and len(compute) >= 2, threads
-        print(f"\n{role} engine (VLLM::Worker {pid}): {len(compute)} compute threads on "
+        print(f"\n{role} engine ({name} {pid}): {len(compute)} compute threads on "
               f"{sorted(set().union(*(c for _, c in compute.values())))}; given {t.cores}")
         assert {tid: c for tid, (_, c) in compute.items() if c != given[role]} == {}, \
             f"{role} engine threads off their cores {given[role]}: {compute}"
@@ -159,8 +174,7 @@ def test_the_whole_worker_keeps_to_its_cores(trees):
 def test_the_cpu_connector_is_in_use(pd_server, trees):
     log = pd_server.proc.log()
     for role, t in trees.items():
-        [pid] = t.engine_workers
-        mine = [ln for ln in log.splitlines() if f"pid={pid})" in ln]
+        mine = [ln for ln in log.splitlines() if f"pid={t.model_process})" in ln]
         assert any(CONNECTOR_LINE in ln for ln in mine), f"{role}: no {CONNECTOR_LINE!r}"
         assert any(PROGRESS_LINE in ln for ln in mine), f"{role}: no {PROGRESS_LINE!r}"
         assert not any("with name: NixlConnector" in ln for ln in mine), role
@@ -191,7 +205,7 @@ def test_idle_engines_do_not_spin(pd_server, trees, pool):
     busy = any(w["running"] or w["waiting"] or w["inflight"] for w in pool())
     share = {role: sum(cpu_seconds(p) - before[p] for p in ps) / elapsed
              for role, ps in pids.items()}
-    print("\nidle CPU over 5 s (worker + engine core + model runner processes): " +
+    print("\nidle CPU over 5 s (worker + engine processes): " +
           ", ".join(f"{role} {100 * s:.1f}% of a core" for role, s in share.items()))
     assert not busy, "a request arrived during the idle measurement"
     for role, s in share.items():
