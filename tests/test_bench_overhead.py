@@ -62,3 +62,20 @@ def test_part_c_table():
                                   "engine_us_per_token": {32: 25.0}}})
     assert "## (c)" in md and "| vllm | 32 | 0 | 2,900 | 20 | 70 | 1.00 | 1.00 |" in md
     assert "25 us of CPU per token" in md
+
+
+def test_vllms_own_server_runs_its_model_as_a_worker_engine_does(tmp_path, monkeypatch):
+    """The baseline that a worker's engine is measured against gets the same executor on a CPU
+    host (one process), unless the bench is told otherwise; elsewhere vLLM chooses."""
+    from pdserve.bench import cluster
+    from pdserve.worker.engine import IN_ENGINE_CORE_EXECUTOR
+
+    def executor_args(cpu: bool, extra: list[str] | None = None) -> list[str]:
+        monkeypatch.setattr(cluster, "is_cpu_host", lambda: cpu)
+        cmd = cluster.VllmDeployment("m", tmp_path, extra=extra).command(8000)
+        return [a for i, a in enumerate(cmd) if "executor" in a or (i and "executor" in cmd[i - 1])]
+
+    assert executor_args(True) == ["--distributed-executor-backend", IN_ENGINE_CORE_EXECUTOR]
+    assert executor_args(True, ["--distributed-executor-backend=mp"]) == [
+        "--distributed-executor-backend=mp"]
+    assert executor_args(False) == []

@@ -14,8 +14,8 @@ from pdserve.models import ensure_model
 from pdserve.worker.engine import is_cpu_host
 
 # Build the engine config as a worker does, once per argument list, and name its executor. In a
-# process of its own: vLLM's CPU platform sets environment variables while it checks a config, and vLLM logs to
-# stdout.
+# process of its own: vLLM's CPU platform sets environment variables while it checks a config,
+# and vLLM logs to stdout.
 EXECUTOR_OF = """
 import json, sys
 from vllm.engine.arg_utils import AsyncEngineArgs

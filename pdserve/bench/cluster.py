@@ -31,7 +31,7 @@ from pdserve import launcher
 from pdserve.bench.metrics import Slo
 from pdserve.net import free_port
 from pdserve.supervisor import Child, stop_children
-from pdserve.worker.engine import parse_cores
+from pdserve.worker.engine import IN_ENGINE_CORE_EXECUTOR, is_cpu_host, parse_cores
 
 ALL_LOCAL = 10**9  # a local-prefill threshold no prompt reaches
 WorkerCmd = Callable[[str, str, "str | None", "str | None"], list[str]]
@@ -257,7 +257,7 @@ class PdDeployment(Deployment):
 
 class VllmDeployment(Deployment):
     """vLLM's own OpenAI server, one engine, the whole server kept to `core` as a pdserve worker
-    keeps itself (the overhead baseline)."""
+    keeps itself, and on CPU with the executor a worker's engine gets (the overhead baseline)."""
 
     def __init__(self, model: str, workdir: Path, core: str | None = "0",
                  extra: list[str] | None = None):
@@ -268,7 +268,12 @@ class VllmDeployment(Deployment):
     def command(self, port: int) -> list[str]:
         return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                 "--dtype", "float32", "--enforce-eager", "--host", "127.0.0.1", "--port",
-                str(port), "--disable-uvicorn-access-log", *self.extra]
+                str(port), "--disable-uvicorn-access-log", *self.executor(), *self.extra]
+
+    def executor(self) -> list[str]:
+        if "--distributed-executor-backend" in " ".join(self.extra) or not is_cpu_host():
+            return []
+        return ["--distributed-executor-backend", IN_ENGINE_CORE_EXECUTOR]
 
     def start(self, timeout: float = 600.0) -> str:
         tmp = self.workdir / "run"

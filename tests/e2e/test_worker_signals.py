@@ -4,8 +4,9 @@ A signal to a worker's whole process group (Ctrl-C in its terminal, `kill -- -PG
 every process of it (systemd's default stop), drains the worker as a signal to the worker alone
 does: the streams in flight finish whole. A second Ctrl-C stops at once, and an engine killed
 under its worker makes the worker leave and exit non-zero; either way the streams move to
-another worker and finish whole, equal to one plain engine. The pool's own prefill engine killed under load: the worker exits,
-`pdserve serve` starts a new one, and serving resumes without a person.
+another worker and finish whole, equal to one plain engine. The pool's own prefill engine killed
+under load: the worker exits, `pdserve serve` starts a new one, and serving resumes without a
+person.
 """
 
 from __future__ import annotations
