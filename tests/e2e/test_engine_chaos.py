@@ -4,9 +4,9 @@ tests/control/test_chaos.py).
 Steady greedy load against the 1P1D `pd_server` plus an extra decode worker (core 1) and an extra
 prefill worker (core 0), while the extras are killed with SIGKILL (their whole process group;
 the engine core, in a group of its own, follows its worker) in the middle of their work and
-restarted under the same id. The pd_server's own prefill and decode workers stay alive, so a worker of each role is always there: every request
-must complete with exactly the plain engine's output; none may fail, and none may be lost (each
-returns within a bound).
+restarted under the same id. The pd_server's own prefill and decode workers stay alive, so a
+worker of each role is always there: every request must complete with exactly the plain engine's
+output; none may fail, and none may be lost (each returns within a bound).
 """
 
 from __future__ import annotations
@@ -24,6 +24,10 @@ from test_openai import complete, prompt_ids, stream_complete
 from test_pool import get_text, start_worker, workers
 
 LENGTHS = [5, 60, 127, 129, 300, 700, 1200]
+MAX_TOKENS = (8, 120, 200)
+# Half the requests bring a prompt never sent before: repeated prompts alone end up held by the
+# decode engines, which then serve them without a prefill, and the prefill workers go idle.
+FRESH = 0.5
 CLIENTS = 3
 THINK_S = (0.3, 1.0)  # a pause between a client's requests: steady load, not a saturated one
 # (engines restarting on cores that are busy without a break took 4-6 minutes to come up here)
@@ -51,11 +55,16 @@ def counters(base: str) -> dict[str, float]:
     }
 
 
+def pool_summary(pd_server) -> list[tuple]:
+    return [(w["id"], w["state"], w["inflight"], w["legs_total"])
+            for w in workers(pd_server).values()]
+
+
 def test_kill_9_and_restart_under_load(pd_server, pd_client, ref_client, model_dir, logs):
     base = pd_server.base
     rng = random.Random(777)
     cases = [(prompt_ids(n, seed=60_000 + k), mt)
-             for k, (n, mt) in enumerate((n, mt) for n in LENGTHS for mt in (8, 120, 200))]
+             for k, (n, mt) in enumerate((n, mt) for n in LENGTHS for mt in MAX_TOKENS)]
     refs = [complete(ref_client, model_dir, p, max_tokens=mt, temperature=0)[0][0]
             for p, mt in cases]
 
@@ -84,12 +93,26 @@ def test_kill_9_and_restart_under_load(pd_server, pd_client, ref_client, model_d
                            max_retries=0)
 
     longest = [0.0]
+    fresh: list[tuple[str, list[int], int, str]] = []  # checked against one engine after the load
+
+    def judge(name: str, got: str, ref: str) -> None:
+        if got == ref:
+            count("correct")
+        else:
+            count("wrong", f"{name}: {got!r} != {ref!r}")
 
     def load(k: int) -> None:
         r = random.Random(k)
+        made = 0
         while not stop.wait(r.uniform(*THINK_S)):
-            i = r.randrange(len(cases))
-            prompt, mt = cases[i]
+            if r.random() < FRESH:
+                made += 1
+                seed = 100_000 + 1_000 * k + made
+                prompt, mt = prompt_ids(r.choice(LENGTHS[1:]), seed=seed), r.choice(MAX_TOKENS)
+                name, ref = f"fresh prompt {seed}", None
+            else:
+                i = r.randrange(len(cases))
+                (prompt, mt), name, ref = cases[i], f"case {i}", refs[i]
             count("sent")
             t0 = time.monotonic()
             try:
@@ -99,15 +122,16 @@ def test_kill_9_and_restart_under_load(pd_server, pd_client, ref_client, model_d
                 else:
                     got = complete(client, model_dir, prompt, max_tokens=mt, temperature=0)[0][0]
             except openai.APITimeoutError:
-                count("lost", f"case {i}: no answer after {REQUEST_TIMEOUT:.0f} s")
+                count("lost", f"{name}: no answer after {REQUEST_TIMEOUT:.0f} s")
                 continue
             except openai.APIError as e:
-                count("failed", f"case {i}: {type(e).__name__}: {e}")
+                count("failed", f"{name}: {type(e).__name__}: {e}")
                 continue
-            if got == refs[i]:
-                count("correct")
+            if ref is None:
+                with lock:
+                    fresh.append((name, prompt, mt, got))
             else:
-                count("wrong", f"case {i}: {got!r} != {refs[i]!r}")
+                judge(name, got, ref)
             with lock:
                 longest[0] = max(longest[0], time.monotonic() - t0)
 
@@ -125,8 +149,11 @@ def test_kill_9_and_restart_under_load(pd_server, pd_client, ref_client, model_d
         for role in KILLS:
             wait_for(lambda role=role: ready(role), 400, f"the extra {role} worker to be back",
                      [procs[role]])
-            wait_for(lambda role=role: workers(pd_server)[EXTRA[role]]["inflight"] > 0, 120,
-                     f"work on the extra {role} worker")
+            try:
+                wait_for(lambda role=role: workers(pd_server)[EXTRA[role]]["inflight"] > 0, 120,
+                         f"work on the extra {role} worker", [procs[role]])
+            except TimeoutError as e:
+                raise TimeoutError(f"{e}\nthe pool: {pool_summary(pd_server)}") from None
             if role == "decode":
                 time.sleep(rng.uniform(0.0, 0.4))  # somewhere in its streams
             procs[role].signal(signal.SIGKILL)  # the group: worker and engine processes
@@ -141,6 +168,9 @@ def test_kill_9_and_restart_under_load(pd_server, pd_client, ref_client, model_d
         for t in threads:
             t.join(REQUEST_TIMEOUT + 30)
         elapsed = time.monotonic() - t_start
+        for name, prompt, mt, got in fresh:
+            judge(name, got, complete(ref_client, model_dir, prompt, max_tokens=mt,
+                                      temperature=0)[0][0])
         # The last restarts come up (faster without the load) and take work again.
         for role in ("decode", "prefill"):
             wait_for(lambda role=role: ready(role), 400, f"the extra {role} worker to be back",
@@ -163,7 +193,8 @@ def test_kill_9_and_restart_under_load(pd_server, pd_client, ref_client, model_d
     after = counters(base)
     delta = {k: after[k] - before[k] for k in after}
     hung = sum(t.is_alive() for t in threads)
-    print(f"\nchaos over {elapsed:.0f} s, {CLIENTS} clients: sent {counts['sent']}, correct "
+    print(f"\nchaos over {elapsed:.0f} s, {CLIENTS} clients: sent {counts['sent']} "
+          f"({len(fresh)} fresh), correct "
           f"{counts['correct']}, recovered {delta['recovered']:.0f} (migrations "
           f"{delta['migrations']:.0f}, prefill retries {delta['prefill retries']:.0f}), failed "
           f"{counts['failed']}, wrong {counts['wrong']}, lost {counts['lost'] + hung}; killed "
