@@ -51,9 +51,17 @@ def assign_cores(n_engines: int, cores: list[int]) -> list[str | None]:
     return out
 
 
-def controller_command(args, model: str, name: str | None, keys: str | None) -> list[str]:
+def controller_cores(roles: list[str], cores: list[str | None]) -> str | None:
+    """The controller's cores: those of the prefill workers, so that its work for every streamed
+    token never takes a decode engine's core, whose steps set ITL. None (any core) when no
+    prefill worker has cores of its own."""
+    return ",".join(c for r, c in zip(roles, cores) if r == "prefill" and c is not None) or None
+
+
+def controller_command(args, model: str, name: str | None, keys: str | None,
+                       cores: str | None = None) -> list[str]:
     """The controller's command line; with --api-servers N it starts N API servers on --port,
-    API server i taking worker port --worker-port + i."""
+    API server i taking worker port --worker-port + i; kept to `cores` if given."""
     cmd = [sys.executable, "-m", "pdserve.cli", "controller", "--model", model,
            "--host", args.host, "--port", str(args.port), "--worker-host", "127.0.0.1",
            "--worker-port", str(args.worker_port),
@@ -65,6 +73,8 @@ def controller_command(args, model: str, name: str | None, keys: str | None) -> 
         cmd += ["--served-model-name", name]
     if keys:
         cmd += ["--keys", keys]
+    if cores:
+        cmd += ["--cores", cores]
     return cmd + args.controller_arg
 
 
@@ -222,7 +232,10 @@ def serve(args) -> int:
         return Child(name, proc, logs / f"{name}.log")
 
     sup = Supervisor(spawn)
-    ctl = controller_command(args, model, name, keys)
+    roles = ["prefill"] * args.prefill + ["decode"] * args.decode
+    cores = assign_cores(len(roles), sorted(os.sched_getaffinity(0)))
+    ctl_cores = controller_cores(roles, cores)
+    ctl = controller_command(args, model, name, keys, ctl_cores)
     signals: list[int] = []
 
     def on_signal(signum, _frame):
@@ -239,11 +252,10 @@ def serve(args) -> int:
     try:
         sup.start("controller", ctl, restart=False)
         apis = f", {args.api_servers} API servers" if args.api_servers > 1 else ""
-        progress.say(f"controller starting ({base}{apis})")
+        where = f", cores {ctl_cores}" if ctl_cores else ""
+        progress.say(f"controller starting ({base}{apis}{where})")
         # The first API server's worker port: it names the others to the workers (siblings).
         controller_url = f"tcp://127.0.0.1:{args.worker_port}"
-        roles = ["prefill"] * args.prefill + ["decode"] * args.decode
-        cores = assign_cores(len(roles), sorted(os.sched_getaffinity(0)))
         counts: dict[str, int] = {}
         for role, core in zip(roles, cores):
             counts[role] = counts.get(role, 0) + 1

@@ -12,10 +12,11 @@ from pathlib import Path
 from pdserve.net import bind_error
 
 GIB = 1 << 30
-# Memory (PSS) beside the KV cache and the weights, measured on the tiny model on CPU: a worker's
-# three processes (pdserve's, vLLM's engine core and its model runner) ~1.5 GiB, the controller
-# ~0.45 GiB.
-WORKER_GIB = 1.5
+# Memory (PSS) beside the KV cache and the weights, measured on the tiny model on CPU while it
+# served: a worker's two processes (pdserve's 0.43 GiB, vLLM's engine core running the model
+# 0.47 GiB), the controller ~0.45 GiB. (vLLM's multiprocess executor, if a worker is told to use
+# it, adds a model-runner process of ~0.5 GiB.)
+WORKER_GIB = 1.0
 CONTROLLER_GIB = 0.5
 
 

@@ -95,6 +95,23 @@ def ready_workers(base: str, role: str | None = None) -> list[dict]:
             if w["state"] == "ready" and (role is None or w["role"] == role)]
 
 
+def children(parent: int) -> dict[int, str]:
+    """The live child processes of `parent`: their command lines."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+            if ppid == parent:
+                cmdline = (entry / "cmdline").read_bytes()
+                out[int(entry.name)] = cmdline.replace(b"\0", b" ").decode()
+        except (OSError, ValueError):
+            continue
+    return out
+
+
 def engine_core_pid(worker_pid: int) -> int:
     """The engine-core child of a worker process (it runs in a process group of its own)."""
     for entry in os.listdir("/proc"):

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from procs import Proc, free_port, free_ports, pdserve, wait_for
+from procs import Proc, children, free_port, free_ports, pdserve, wait_for
 
 PROMPT = list(range(300, 340))  # token ids: the fake engine's answer is known in advance
 TOKENS = 30  # a stream takes ~3 s at DECODE_DELAY
@@ -181,23 +181,6 @@ def open_streams(port: int, controllers: set[str], each: int = 2, limit: int = 4
         answers.append(a)
         threads.append(t)
     return answers, threads
-
-
-def children(parent: int) -> dict[int, str]:
-    """The live child processes of `parent`: their command lines."""
-    out = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            ppid = int(stat[stat.rindex(")") + 2:].split()[1])
-            if ppid == parent:
-                cmdline = (entry / "cmdline").read_bytes()
-                out[int(entry.name)] = cmdline.replace(b"\0", b" ").decode()
-        except (OSError, ValueError):
-            continue
-    return out
 
 
 def controller_ids(log: str) -> dict[int, str]:

@@ -268,6 +268,19 @@ def test_the_controller_is_given_the_api_servers_and_the_workers_the_first_port(
         serve_args("--api-servers", "0")
 
 
+def test_the_controller_keeps_to_the_prefill_workers_cores() -> None:
+    from pdserve.launcher import controller_command, controller_cores
+
+    assert controller_cores(["prefill", "decode"], ["0", "1"]) == "0"
+    assert controller_cores(["prefill", "prefill", "decode"], ["0", "1", "2,3"]) == "0,1"
+    assert controller_cores(["prefill", "decode", "decode"], [None, None, None]) is None
+    assert controller_cores(["decode", "decode"], ["0", "1"]) is None
+    cmd = controller_command(serve_args("--controller-arg=--cores=1"), "/m", None, None, "0")
+    assert cmd[cmd.index("--cores") + 1] == "0"
+    assert cmd[-1] == "--cores=1"  # the user's own, later: it wins
+    assert "--cores" not in controller_command(serve_args(), "/m", None, None)
+
+
 def test_every_api_servers_worker_port_is_checked_before_start() -> None:
     import socket
 

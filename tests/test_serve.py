@@ -16,11 +16,12 @@ import time
 import urllib.error
 import urllib.request
 import pytest
-from procs import Proc, free_port, wait_for
+from procs import Proc, children, free_port, wait_for
 
 from pdserve import preflight
-from pdserve.launcher import RUNS_KEPT, StartProgress, run_folder, try_it
+from pdserve.launcher import RUNS_KEPT, StartProgress, assign_cores, run_folder, try_it
 from pdserve.supervisor import Child
+from pdserve.worker.engine import parse_cores
 
 FAKE_WORKERS = """
 import sys
@@ -52,6 +53,12 @@ def serve(*args: str, driver: str | None = None) -> list[str]:
     return [sys.executable, "-c", driver, "serve", *args]
 
 
+def controller_cores(serve_pid: int) -> set[frozenset[int]]:
+    """The CPU sets of every thread of serve's controller."""
+    [pid] = [p for p, cmd in children(serve_pid).items() if "pdserve.cli controller" in cmd]
+    return {frozenset(os.sched_getaffinity(int(tid))) for tid in os.listdir(f"/proc/{pid}/task")}
+
+
 def post(url: str, body: dict) -> tuple[int, dict]:
     req = urllib.request.Request(url, data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
@@ -77,6 +84,7 @@ def test_a_quiet_start_a_short_name_and_ctrl_c(tmp_path) -> None:
         status, body = post(base + "/v1/completions",
                             {"model": "llama", "prompt": "x", "max_tokens": 2})
         assert status == 404 and "llama" in json.dumps(body), body
+        kept_to = controller_cores(p.proc.pid)
         start = time.monotonic()
         p.signal(signal.SIGINT)
         p.proc.wait(60)
@@ -97,6 +105,14 @@ def test_a_quiet_start_a_short_name_and_ctrl_c(tmp_path) -> None:
         assert any(ln.startswith(f"pdserve: {child} {up} (") and ln.endswith(" s)")
                    for ln in start), (child, start)
     assert len(start) == 7, start  # nothing of the children's own output
+    # The controller keeps to the prefill worker's cores, away from the decode engine's steps.
+    mine = sorted(os.sched_getaffinity(0))
+    if len(mine) >= 2:
+        prefill_cores = assign_cores(2, mine)[0]
+        assert kept_to == {frozenset(parse_cores(prefill_cores))}, kept_to
+        assert f"pdserve: controller starting ({base}, cores {prefill_cores})" in start
+    else:
+        assert kept_to == {frozenset(mine)}, kept_to
     assert '"model": "tiny"' in out and f"curl http://127.0.0.1:{port}/v1/completions" in out
     # Ctrl-C says so, and stops it all in seconds.
     assert p.proc.returncode == 0 and stop_s < 30, (p.proc.returncode, stop_s)
@@ -227,3 +243,13 @@ def test_run_folders_keep_the_newest_and_nothing_else(tmp_path, monkeypatch) -> 
     assert len(left) == RUNS_KEPT + 1 and "mine" in left and new.name in left
     assert not old[5].exists() and old[6].exists()
     assert run_folder(str(tmp_path / "given")) == tmp_path / "given"
+
+
+def test_a_controller_kept_to_cores_it_may_not_use_says_which_it_may() -> None:
+    mine = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    beyond = str(max(os.sched_getaffinity(0)) + 1000)
+    r = subprocess.run([sys.executable, "-m", "pdserve.cli", "controller", "--cores", beyond],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r
+    assert f"--cores {beyond}: none of CPUs {beyond} is one this process may use (it may use " \
+           f"{mine})" in r.stderr, r.stderr

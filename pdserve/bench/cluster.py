@@ -202,7 +202,8 @@ class PdDeployment(Deployment):
         self.worker_cmd = worker_cmd
         self.cores: dict[str, str | None] = {}
 
-    def controller_command(self, port: int, wport: int, keydir: str | None) -> list[str]:
+    def controller_command(self, port: int, wport: int, keydir: str | None,
+                           cores: str | None = None) -> list[str]:
         ctl = [sys.executable, "-m", "pdserve.cli", "controller", "--model", self.model,
                "--host", "127.0.0.1", "--port", str(port), "--worker-host", "127.0.0.1",
                "--worker-port", str(wport), "--disable-uvicorn-access-log"]
@@ -219,6 +220,8 @@ class PdDeployment(Deployment):
             ctl += self.auto_args
         if keydir:
             ctl += ["--keys", keydir]
+        if cores:
+            ctl += ["--cores", cores]
         return ctl + self.controller_args
 
     def start(self, timeout: float = 600.0) -> str:
@@ -233,11 +236,12 @@ class PdDeployment(Deployment):
             if not os.path.isdir(keydir):
                 keygen(keydir)
         port, wport = free_port(), free_port()
-        self.spawn("controller", self.controller_command(port, wport, keydir), env)
-        controller = f"tcp://127.0.0.1:{wport}"
         roles = self.cfg.roles()
         available = self.all_cores or sorted(os.sched_getaffinity(0))
         cores = launcher.assign_cores(len(roles), available)
+        self.spawn("controller", self.controller_command(
+            port, wport, keydir, launcher.controller_cores(roles, cores)), env)
+        controller = f"tcp://127.0.0.1:{wport}"
         for i, (role, core) in enumerate(zip(roles, cores)):
             name = f"{role}-{i}"
             self.cores[name] = core

@@ -33,7 +33,7 @@ from pdserve.models import BUILTIN_MODEL_NAME, resolve_model
 from pdserve.planner.capacity import Slo
 from pdserve.planner.costmodel import Profile
 from pdserve.planner.roles import RolePlanner
-from pdserve.worker.engine import expected_info
+from pdserve.worker.engine import expected_info, keep_to_cores, parse_cores
 
 logger = logging.getLogger("pdserve.controller")
 
@@ -50,6 +50,10 @@ def add_pd_args(parser) -> None:
                         "over the same workers; a worker given any of their worker ports "
                         "registers with all of them")
     g.add_argument(api_servers.INDEX_FLAG, type=int, default=None, help=argparse.SUPPRESS)
+    g.add_argument("--cores", default=None,
+                   help="keep the controller, its API servers and their threads to these CPUs, "
+                        "e.g. 0 or 0-3 (default: any; `pdserve serve` gives it the prefill "
+                        "workers' cores, away from the decode engines' steps)")
     g.add_argument("--keys", default=None,
                    help="folder from `pdserve keygen`: CurveZMQ-encrypt and authenticate workers")
     g.add_argument("--prefill-policy", default="kv_aware", choices=PREFILL_POLICIES,
@@ -186,7 +190,8 @@ def settings_from(args) -> Settings:
 def planning_from(args, pool: Pool) -> Planning:
     """The role planner for this controller's `--role auto` workers (idle without them)."""
     profile = Profile.from_json(Path(args.profile).read_text()) if args.profile else Profile()
-    planner = RolePlanner(Slo.parse(args.slo), hold_seconds=args.plan_hold, cooldown_seconds=args.plan_cooldown,
+    planner = RolePlanner(Slo.parse(args.slo), hold_seconds=args.plan_hold,
+                          cooldown_seconds=args.plan_cooldown,
                           handoff_in_ttft=args.first_token == "decode")
     return Planning(pool.registry, planner, profile, interval=args.plan_interval)
 
@@ -392,6 +397,11 @@ def main(argv: list[str] | None = None) -> None:
         settings_from(args)
     except ValueError as e:
         parser.error(str(e))
+    if args.cores:  # before the API servers and the server's threads start: they inherit it
+        try:
+            keep_to_cores(parse_cores(args.cores))
+        except (ValueError, OSError) as e:
+            parser.error(f"--cores {args.cores}: {e}")
     if args.api_servers > 1 and args.api_server_index is None:
         raise SystemExit(api_servers.run(sys.argv[2:] if argv is None else list(argv),
                                          args.api_servers,

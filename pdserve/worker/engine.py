@@ -114,6 +114,24 @@ def parse_cores(spec: str) -> set[int]:
     return out
 
 
+def keep_to_cores(cpus: set[int]) -> None:
+    """Keep every thread of this process to `cpus`, those imports (torch, vLLM) already started
+    too: a thread keeps its own mask, and new threads and child processes inherit their
+    creator's. ValueError if `cpus` holds none this process may use."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except ProcessLookupError:
+            pass  # ended meanwhile
+        except OSError as e:
+            raise ValueError(f"none of CPUs {cpu_list(cpus)} is one this process may use "
+                             f"(it may use {cpu_list(os.sched_getaffinity(0))})") from e
+
+
+def cpu_list(cpus: set[int]) -> str:
+    return ",".join(map(str, sorted(cpus)))
+
+
 def resolve_dtype(dtype: str, cpu: bool) -> str:
     # On CPU, vLLM's "auto" turns float32 checkpoints into bfloat16, whose kernels died with
     # SIGILL on the virtual machines here (AMX advertised, not usable): stay in float32.

@@ -281,17 +281,10 @@ def pin(cores: str) -> None:
     processes. vLLM binds only the model runner's compute threads; left free, the engine's
     scheduler and this process's output handling ran on the other engine's core and stalled
     it (measured: decode streams paused 0.1-0.8 s whenever the prefill engine computed)."""
-    from pdserve.worker.engine import parse_cores
+    from pdserve.worker.engine import keep_to_cores, parse_cores
 
     try:
-        cpus = parse_cores(cores)
-        # Every thread, including those imports (torch, vLLM) already started: a thread keeps
-        # its own mask, and new threads and child processes inherit their creator's.
-        for tid in os.listdir("/proc/self/task"):
-            try:
-                os.sched_setaffinity(int(tid), cpus)
-            except ProcessLookupError:
-                pass  # ended meanwhile
+        keep_to_cores(parse_cores(cores))
     except (ValueError, OSError) as e:
         raise SystemExit(f"pdserve worker: --cores {cores}: {e}") from None
 
@@ -302,7 +295,7 @@ def claim_cores(given: str | None) -> claims.Claim | None:
     other pdserve worker on this host holds or, when none is free, the least-claimed one,
     shared (its engine then binds one compute thread: engines bound to all cores beside other
     engines were seen to hang for minutes after loading their weights). None on other hosts."""
-    from pdserve.worker.engine import is_cpu_host, parse_cores
+    from pdserve.worker.engine import cpu_list, is_cpu_host, parse_cores
 
     if not is_cpu_host():  # cheap here: make_parser() has imported vLLM already
         return None
@@ -327,16 +320,12 @@ def claim_cores(given: str | None) -> claims.Claim | None:
                          "worker on this host can write") from None
     if claim.others:
         logger.info("no --cores and no core free among %s: sharing core %s with %d other "
-                    "pdserve worker(s), one compute thread", _cpu_list(os.sched_getaffinity(0)),
+                    "pdserve worker(s), one compute thread", cpu_list(os.sched_getaffinity(0)),
                     claim.spec, claim.others)
     else:
         logger.info("no --cores: took core %s, which no other pdserve worker on this host holds",
                     claim.spec)
     return claim
-
-
-def _cpu_list(cpus: set[int]) -> str:
-    return ",".join(map(str, sorted(cpus)))
 
 
 def main(argv: list[str] | None = None) -> int:
