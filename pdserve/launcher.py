@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TextIO
 
@@ -51,10 +51,13 @@ def assign_cores(n_engines: int, cores: list[int]) -> list[str | None]:
     return out
 
 
-def controller_cores(roles: list[str], cores: list[str | None]) -> str | None:
+def controller_cores(roles: list[str], cores: list[str | None],
+                     controller_args: Sequence[str] = ()) -> str | None:
     """The controller's cores: those of the prefill workers, so that its work for every streamed
-    token never takes a decode engine's core, whose steps set ITL. None (any core) when no
-    prefill worker has cores of its own."""
+    token never takes a decode engine's core, whose steps set ITL. None when no prefill worker
+    has cores of its own (any core), or when the user's `controller_args` name its cores."""
+    if any(a == "--cores" or a.startswith("--cores=") for a in controller_args):
+        return None
     return ",".join(c for r, c in zip(roles, cores) if r == "prefill" and c is not None) or None
 
 
@@ -234,7 +237,7 @@ def serve(args) -> int:
     sup = Supervisor(spawn)
     roles = ["prefill"] * args.prefill + ["decode"] * args.decode
     cores = assign_cores(len(roles), sorted(os.sched_getaffinity(0)))
-    ctl_cores = controller_cores(roles, cores)
+    ctl_cores = controller_cores(roles, cores, args.controller_arg)
     ctl = controller_command(args, model, name, keys, ctl_cores)
     signals: list[int] = []
 

@@ -275,6 +275,8 @@ def test_the_controller_keeps_to_the_prefill_workers_cores() -> None:
     assert controller_cores(["prefill", "prefill", "decode"], ["0", "1", "2,3"]) == "0,1"
     assert controller_cores(["prefill", "decode", "decode"], [None, None, None]) is None
     assert controller_cores(["decode", "decode"], ["0", "1"]) is None
+    for told in (["--cores=0,1"], ["--api-key", "x", "--cores", "1"]):  # the user's choice
+        assert controller_cores(["prefill", "decode"], ["0", "1"], told) is None
     cmd = controller_command(serve_args("--controller-arg=--cores=1"), "/m", None, None, "0")
     assert cmd[cmd.index("--cores") + 1] == "0"
     assert cmd[-1] == "--cores=1"  # the user's own, later: it wins

@@ -240,7 +240,7 @@ class PdDeployment(Deployment):
         available = self.all_cores or sorted(os.sched_getaffinity(0))
         cores = launcher.assign_cores(len(roles), available)
         self.spawn("controller", self.controller_command(
-            port, wport, keydir, launcher.controller_cores(roles, cores)), env)
+            port, wport, keydir, launcher.controller_cores(roles, cores, self.controller_args)), env)
         controller = f"tcp://127.0.0.1:{wport}"
         for i, (role, core) in enumerate(zip(roles, cores)):
             name = f"{role}-{i}"
