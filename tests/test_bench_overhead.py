@@ -79,3 +79,20 @@ def test_vllms_own_server_runs_its_model_as_a_worker_engine_does(tmp_path, monke
     assert executor_args(True, ["--distributed-executor-backend=mp"]) == [
         "--distributed-executor-backend=mp"]
     assert executor_args(False) == []
+
+
+def test_the_benchs_controller_keeps_to_the_prefill_workers_cores(tmp_path):
+    """As `pdserve serve` starts it; the report's core column names them (`PdDeployment.cores`)."""
+    from pdserve.bench import cluster
+    from pdserve.models import ensure_model
+
+    core = min(os.sched_getaffinity(0))
+    model = str(ensure_model("tiny"))
+    with cluster.PdDeployment(cluster.Config("1P1D", prefill=1, decode=1), model, tmp_path,
+                              keys=False, cores=[core, core],
+                              worker_cmd=overhead.fake_worker_cmd(model)) as dep:
+        dep.start(300)
+        pid = dep.groups()["controller"]
+        kept = {frozenset(os.sched_getaffinity(int(t))) for t in os.listdir(f"/proc/{pid}/task")}
+    assert dep.cores["controller"] == str(core)
+    assert kept == {frozenset({core})}

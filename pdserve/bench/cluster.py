@@ -200,7 +200,7 @@ class PdDeployment(Deployment):
         # planner_args(), for auto and :slo configurations only
         self.auto_args = list(auto_args or [])
         self.worker_cmd = worker_cmd
-        self.cores: dict[str, str | None] = {}
+        self.cores: dict[str, str | None] = {}  # by process group: each worker, the controller
 
     def controller_command(self, port: int, wport: int, keydir: str | None,
                            cores: str | None = None) -> list[str]:
@@ -239,8 +239,9 @@ class PdDeployment(Deployment):
         roles = self.cfg.roles()
         available = self.all_cores or sorted(os.sched_getaffinity(0))
         cores = launcher.assign_cores(len(roles), available)
-        self.spawn("controller", self.controller_command(
-            port, wport, keydir, launcher.controller_cores(roles, cores, self.controller_args)), env)
+        self.cores["controller"] = launcher.controller_cores(roles, cores, self.controller_args)
+        self.spawn("controller", self.controller_command(port, wport, keydir,
+                                                         self.cores["controller"]), env)
         controller = f"tcp://127.0.0.1:{wport}"
         for i, (role, core) in enumerate(zip(roles, cores)):
             name = f"{role}-{i}"
