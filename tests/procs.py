@@ -114,19 +114,19 @@ def children(parent: int) -> dict[int, str]:
 
 def engine_core_pid(worker_pid: int) -> int:
     """The engine-core child of a worker process (it runs in a process group of its own)."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for pid in children(worker_pid):
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
+            comm = Path(f"/proc/{pid}/comm").read_text()
         except OSError:
             continue
-        name = stat[stat.index("(") + 1:stat.rindex(")")]
-        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
-        if ppid == worker_pid and name.startswith("VLLM::Engine"):  # comm is cut at 15
-            return int(entry)
+        if comm.startswith("VLLM::Engine"):  # comm is cut at 15
+            return pid
     raise AssertionError(f"no engine core under worker {worker_pid}")
+
+
+def thread_cpus(pid: int) -> set[frozenset[int]]:
+    """The CPU sets of every thread of process `pid`."""
+    return {frozenset(os.sched_getaffinity(int(tid))) for tid in os.listdir(f"/proc/{pid}/task")}
 
 
 def exited(pid: int) -> bool:

@@ -7,6 +7,7 @@ import asyncio
 import os
 
 import pytest
+from procs import thread_cpus
 from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
@@ -92,7 +93,6 @@ def test_the_benchs_controller_keeps_to_the_prefill_workers_cores(tmp_path):
                               keys=False, cores=[core, core],
                               worker_cmd=overhead.fake_worker_cmd(model)) as dep:
         dep.start(300)
-        pid = dep.groups()["controller"]
-        kept = {frozenset(os.sched_getaffinity(int(t))) for t in os.listdir(f"/proc/{pid}/task")}
+        kept = thread_cpus(dep.groups()["controller"])
     assert dep.cores["controller"] == str(core)
     assert kept == {frozenset({core})}

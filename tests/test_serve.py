@@ -16,7 +16,7 @@ import time
 import urllib.error
 import urllib.request
 import pytest
-from procs import Proc, children, free_port, wait_for
+from procs import Proc, children, free_port, thread_cpus, wait_for
 
 from pdserve import preflight
 from pdserve.launcher import RUNS_KEPT, StartProgress, assign_cores, run_folder, try_it
@@ -56,7 +56,7 @@ def serve(*args: str, driver: str | None = None) -> list[str]:
 def controller_cores(serve_pid: int) -> set[frozenset[int]]:
     """The CPU sets of every thread of serve's controller."""
     [pid] = [p for p, cmd in children(serve_pid).items() if "pdserve.cli controller" in cmd]
-    return {frozenset(os.sched_getaffinity(int(tid))) for tid in os.listdir(f"/proc/{pid}/task")}
+    return thread_cpus(pid)
 
 
 def post(url: str, body: dict) -> tuple[int, dict]:
