@@ -83,7 +83,7 @@ class Settings:
     # A context the chosen decode worker's engine partly holds (the KV index says so), with
     # fewer than this many tokens left to compute, is prefilled there: the handoff is skipped.
     skip_handoff_below: int = 0
-    queue_timeout: float = 10.0  # how long to wait for a worker of a needed role to appear
+    queue_timeout: float = 60.0  # how long to wait for a worker of a needed role to appear
     prefill_timeout: float = 300.0
     token_timeout: float = 60.0  # decode's first token (incl. the KV pull) and each later gap
     max_retries: int = 2  # failed legs (prefill retries + decode migrations) per sequence

@@ -119,7 +119,10 @@ def add_pd_args(parser) -> None:
                    help="seconds of silence after which a worker whose connection is still up "
                         "is dead (a hung process, or a host gone without closing it); workers "
                         "give up on a controller silent for as long")
-    g.add_argument("--queue-timeout", type=float, default=10.0,
+    # Long enough for a burst within the line's caps to drain: the door cannot estimate the
+    # wait before any request has finished, and a waiter that times out gets its 503 inside a
+    # stream whose 200 has gone out.
+    g.add_argument("--queue-timeout", type=float, default=60.0,
                    help="seconds a request waits for an admission slot, and for a worker of a "
                         "needed role")
     # Bounded by default: the controller's memory must not grow with the offered load.

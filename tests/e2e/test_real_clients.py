@@ -144,8 +144,8 @@ def test_unseeded_random_sampling_varies_and_is_whole(pd_client, model_dir):
     assert len(texts) > 1
 
 
-def test_vllm_benchmark_client_with_its_defaults(pd_server, model_dir, tmp_path):
-    """vLLM's own load generator, chat endpoint, no temperature (random sampling): 0 failed."""
+def vllm_bench(pd_server, model_dir, tmp_path, *args: str) -> dict:
+    """Run vLLM's own load generator against pdserve; its saved result."""
     import subprocess
 
     out = tmp_path / "bench.json"
@@ -154,18 +154,40 @@ def test_vllm_benchmark_client_with_its_defaults(pd_server, model_dir, tmp_path)
             "import vllm.benchmarks.serve as s\n"
             "p = FlexibleArgumentParser(); s.add_cli_args(p)\n"
             "s.main(p.parse_args(sys.argv[1:]))\n")
-    cmd = [sys.executable, "-c", code, "--backend", "openai-chat", "--base-url", pd_server.base,
-           "--endpoint", "/v1/chat/completions", "--model", model_dir, "--tokenizer", model_dir,
-           "--dataset-name", "random", "--random-input-len", "300", "--random-output-len", "64",
-           "--max-concurrency", "8", "--num-prompts", "48", "--seed", "5", "--ignore-eos",
+    cmd = [sys.executable, "-c", code, "--base-url", pd_server.base, "--model", model_dir,
+           "--tokenizer", model_dir, *args,
            "--save-result", "--result-dir", str(tmp_path), "--result-filename", out.name]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads(out.read_text())
-    print(f"\nvllm bench serve (openai-chat, random 300/64, 8 at once, 48 prompts): "
-          f"completed {result['completed']}, failed {result.get('failed', 0)}, "
-          f"TTFT p50 {result['median_ttft_ms']:.1f} ms, ITL p50 {result['median_itl_ms']:.1f} ms, "
+    print(f"completed {result['completed']}, failed {result.get('failed', 0)}, "
+          f"TTFT p50 {result['median_ttft_ms']:.1f} ms p99 {result['p99_ttft_ms']:.1f} ms, "
+          f"ITL p50 {result['median_itl_ms']:.1f} ms, {result['duration']:.1f} s, "
           f"{result['output_throughput']:.0f} output tokens/s")
+    return result
+
+
+def test_vllm_benchmark_client_on_chat_with_random_sampling(pd_server, model_dir, tmp_path):
+    """vLLM's own load generator, chat endpoint, no temperature (random sampling): 0 failed."""
+    print("\nvllm bench serve (openai-chat, random 300/64, 8 at once, 48 prompts): ", end="")
+    result = vllm_bench(pd_server, model_dir, tmp_path, "--backend", "openai-chat",
+                        "--endpoint", "/v1/chat/completions", "--dataset-name", "random",
+                        "--random-input-len", "300", "--random-output-len", "64",
+                        "--max-concurrency", "8", "--num-prompts", "48", "--seed", "5",
+                        "--ignore-eos")
     assert result["completed"] == 48
     assert result.get("failed", 0) == 0
     assert result["total_output_tokens"] == 48 * 64
+
+
+def test_vllm_benchmark_client_with_all_its_defaults(pd_server, model_dir, tmp_path):
+    """vLLM's load generator with nothing but where to send and the model: 1,000 random prompts
+    of 1,024 tokens, 128 out, all sent at once. Every one is served: the burst arrives before
+    any request finishes, so admission cannot estimate the wait at the door, and the line
+    drains within the default queue timeout instead of refusing its tail inside 200 streams."""
+    pids = pool_pids(pd_server.base)
+    print("\nvllm bench serve (all its defaults: 1,000 at once, random 1,024/128): ", end="")
+    result = vllm_bench(pd_server, model_dir, tmp_path)
+    assert result["completed"] == 1000
+    assert result.get("failed", 0) == 0
+    assert pool_pids(pd_server.base) == pids  # no worker died or was replaced
