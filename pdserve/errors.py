@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from http import HTTPStatus
 
 from vllm.exceptions import GracefulHTTPError
@@ -42,6 +43,16 @@ class Refused(GracefulHTTPError):
         super().__init__(f"{message}; retry after {retry_after} s", status)
         self.reason = reason
         self.retry_after = retry_after
+
+
+_RETRY_AFTER = re.compile(r"; retry after (\d+) s$")
+
+
+def retry_after_in(message: str) -> int | None:
+    """The seconds a Refused's message names: a refusal that came inside a stream reaches the
+    HTTP layer as vLLM's error body, its text alone."""
+    m = _RETRY_AFTER.search(message)
+    return int(m.group(1)) if m else None
 
 
 class Overloaded(Refused):

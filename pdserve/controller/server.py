@@ -24,8 +24,7 @@ from pdserve.controller.history import History
 from pdserve.controller.metrics import Metrics
 from pdserve.controller.planning import Planning
 from pdserve.controller.pool import Pool
-from pdserve.controller.receipts import header as receipt_header
-from pdserve.controller.receipts import open_receipt
+from pdserve.controller.response_start import ResponseStart
 from pdserve.controller.router import DECODE_POLICIES, PREFILL_POLICIES
 from pdserve.controller.sequence import Settings
 from pdserve.errors import Refused
@@ -234,41 +233,8 @@ def add_routes(app, controller: PDController, metrics: Metrics,
     # add_middleware refuses once build_app has built the stack; add_retry_after rebuilds it.
     from starlette.middleware import Middleware
 
-    app.user_middleware.insert(0, Middleware(ControllerHeader, controller_id=controller.pool.id))
+    app.user_middleware.insert(0, Middleware(ResponseStart, controller_id=controller.pool.id))
     add_retry_after(app)
-
-
-class ControllerHeader:
-    """Names the controller that answered (`x-pdserve-controller`: with several API servers or
-    replicas behind one address, the one whose logs and /pd views tell the story) and the
-    request's route receipt (`x-pdserve-route`, receipts.py). The response's headers wait for
-    its first body bytes, by which time the request's sequences are placed; plain ASGI, so
-    streamed responses pass through untouched."""
-
-    def __init__(self, app, controller_id: str):
-        self.app = app
-        self.header = (b"x-pdserve-controller", controller_id.encode())
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        routes = open_receipt()
-        start = None
-
-        async def send_with_headers(message):
-            nonlocal start
-            if message["type"] == "http.response.start":
-                start = message  # sent with the first body bytes
-                return
-            if start is not None:
-                headers = [*start.get("headers", ()), self.header]
-                if receipt := receipt_header(routes):
-                    headers.append((b"x-pdserve-route", receipt.encode()))
-                await send({**start, "headers": headers})
-                start = None
-            await send(message)
-
-        await self.app(scope, receive, send_with_headers)
 
 
 def add_retry_after(app) -> None:

@@ -311,17 +311,23 @@ async def test_over_capacity_gets_429_with_retry_after_and_the_admitted_complete
     await c.assert_clean()
 
 
+@pytest.mark.parametrize("stream", [False, True])
 async def test_a_request_that_waits_out_the_queue_timeout_gets_503_with_retry_after(
-        http, vllm_config):
+        http, vllm_config, stream):
+    """Streamed too: the wait happens after vLLM's server has started the stream, but the
+    refusal still goes out as a 503 of its own, not as an error event inside a 200."""
     model = vllm_config.model_config.model
     c, client = await http(fast_settings(max_inflight=1, max_queued=4, queue_timeout=0.3))
     await c.add("prefill")
     await c.add("decode", decode_delay=0.05)
     first = asyncio.create_task(client.post("/v1/completions", json=body(model)))
     await wait_until(lambda: c.controller.admission.inflight == 1, 10, "the first to start")
-    late = await client.post("/v1/completions", json=body(model))
+    late = await client.post("/v1/completions", json=body(model, stream=stream))
     assert late.status_code == 503, late.text
+    assert late.headers["content-type"] == "application/json"
     assert int(late.headers["retry-after"]) >= 1
+    assert late.headers["x-pdserve-controller"] == c.controller.pool.id
+    assert late.json()["error"]["code"] == 503
     assert "queue timeout" in late.json()["error"]["message"]
     assert rejections(c, "queue_timeout") == 1
     assert (await first).status_code == 200
@@ -348,4 +354,30 @@ async def test_a_pool_without_a_ready_worker_answers_503_with_the_role_and_retry
     await c.add("decode")
     r = await client.post("/v1/completions", json=body(model, max_tokens=4, stream=stream))
     assert r.status_code == 200, r.text
+    await c.assert_clean()
+
+
+async def test_openais_client_retries_a_streamed_queue_timeout_and_is_served(http, vllm_config):
+    """OpenAI's Python client with its defaults (2 retries on 429 and 5xx, after Retry-After):
+    a streamed request that waits out the queue timeout gets a 503 it can retry, and the retry
+    is served. An error event inside a 200 stream would end it with an APIError instead."""
+    import httpx2
+    import openai
+
+    model = vllm_config.model_config.model
+    c, client = await http(fast_settings(max_inflight=1, max_queued=4, queue_timeout=0.3))
+    await c.add("prefill")
+    await c.add("decode", decode_delay=0.05)  # 20 tokens: about a second
+    first = asyncio.create_task(client.post("/v1/completions", json=body(model)))
+    await wait_until(lambda: c.controller.admission.inflight == 1, 10, "the first to start")
+    app = client._transport.app  # the same vLLM app, through the transport OpenAI's client uses
+    async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app),
+                                  base_url="http://pdserve/v1") as h2:
+        oai = openai.AsyncOpenAI(base_url="http://pdserve/v1", api_key="none", http_client=h2)
+        stream = await oai.completions.create(model=model, prompt=[5, 6, 7], max_tokens=4,
+                                              temperature=0, stream=True)
+        finishes = [ch.finish_reason async for chunk in stream for ch in chunk.choices]
+    assert finishes[-1] == "length"
+    assert rejections(c, "queue_timeout") >= 1  # the first try waited out the timeout
+    assert (await first).status_code == 200
     await c.assert_clean()

@@ -69,11 +69,16 @@ def pd_server(model_dir, logs, keys):
 
 @pytest.fixture(scope="session")
 def reference(model_dir, logs):
-    """vLLM's own server on one plain engine: what pdserve's outputs must equal."""
+    """vLLM's own server on one plain engine: what pdserve's outputs must equal. On the
+    executor a worker's CPU engine runs (the model in the engine core): its multiprocess one
+    maps shared memory that a killed run would leave in /dev/shm."""
+    from pdserve.worker.engine import IN_ENGINE_CORE_EXECUTOR
+
     port = free_port()
     p = Proc("reference", [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                            "--model", model_dir, "--dtype", "float32", "--enforce-eager",
                            "--host", "127.0.0.1", "--port", str(port),
+                           "--distributed-executor-backend", IN_ENGINE_CORE_EXECUTOR,
                            "--enable-prompt-tokens-details"], logs,
              env={"VLLM_CPU_KVCACHE_SPACE": "1"})
     try:
