@@ -10,7 +10,11 @@ from vllm.exceptions import GracefulHTTPError
 from pdserve.protocol import Role
 
 
-class NoWorkerAvailable(GracefulHTTPError):
+class PdserveError(GracefulHTTPError):
+    """A failure pdserve raises on purpose: its message says what happened."""
+
+
+class NoWorkerAvailable(PdserveError):
     """No live worker of a role that the request needs (503: retry later or elsewhere)."""
 
     def __init__(self, side: Role, waited: float):
@@ -19,7 +23,7 @@ class NoWorkerAvailable(GracefulHTTPError):
         self.side = side
 
 
-class StepTimeout(GracefulHTTPError):
+class StepTimeout(PdserveError):
     """A step that waits on a worker took longer than its timeout (504)."""
 
     def __init__(self, step: str, worker_id: str, timeout: float):
@@ -29,14 +33,14 @@ class StepTimeout(GracefulHTTPError):
         self.worker_id = worker_id
 
 
-class RequestFailed(GracefulHTTPError):
+class RequestFailed(PdserveError):
     """Workers failed the request more often than the retry budget allows (502)."""
 
     def __init__(self, message: str):
         super().__init__(message, HTTPStatus.BAD_GATEWAY)
 
 
-class Refused(GracefulHTTPError):
+class Refused(PdserveError):
     """Admission control turned the request away; `retry_after` (s) goes out as Retry-After."""
 
     def __init__(self, message: str, status: HTTPStatus, reason: str, retry_after: int):
@@ -92,7 +96,7 @@ class ShuttingDown(Refused):
                          "shutting_down", 1)
 
 
-class TooManySequences(GracefulHTTPError):
+class TooManySequences(PdserveError):
     """A request asks for more sequences (n) than the controller ever runs at once (400)."""
 
     def __init__(self, n: int, max_inflight: int):

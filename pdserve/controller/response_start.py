@@ -14,15 +14,19 @@ with the error's own status and vLLM's JSON error body, as a request without str
 it, with Retry-After where the refusal names one. A failure after the first output stays an
 event in the stream: its 200 and tokens are gone by then. Plain ASGI otherwise: streamed
 bodies pass through untouched.
+
+vLLM's stream generators log such a failure with its traceback; `OneLine` keeps pdserve's own
+failures (errors.py) to one line.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 
 from pdserve.controller.receipts import header as receipt_header
 from pdserve.controller.receipts import open_receipt
-from pdserve.errors import retry_after_in
+from pdserve.errors import PdserveError, Refused, retry_after_in
 
 SSE = b"text/event-stream"
 ERROR_EVENT = b'data: {"error"'  # vLLM's streamed error: `data: {"error": {..., "code": 503}}`
@@ -94,3 +98,29 @@ async def _send_error(send, status: int, body: bytes, message: str,
         headers.append((b"retry-after", str(seconds).encode()))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+# vLLM's stream generators log whatever ends a stream early, with its traceback.
+STREAM_LOGGERS = ("vllm.entrypoints.openai.completion.serving",
+                  "vllm.entrypoints.openai.chat_completion.serving")
+
+
+class OneLine(logging.Filter):
+    """pdserve's own failures (errors.py) say what happened in their message: logged in one
+    line, not a traceback, and a refusal (expected under load, counted in
+    pdserve_admission_rejections_total) as a warning, not an error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, PdserveError):
+            record.msg, record.args = f"{record.getMessage()} {type(exc).__name__}: {exc}", ()
+            record.exc_info, record.exc_text = None, None
+            if isinstance(exc, Refused):
+                record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+def log_failures_in_one_line() -> None:
+    for logger in map(logging.getLogger, STREAM_LOGGERS):
+        if not any(isinstance(f, OneLine) for f in logger.filters):
+            logger.addFilter(OneLine())

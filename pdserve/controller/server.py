@@ -24,7 +24,7 @@ from pdserve.controller.history import History
 from pdserve.controller.metrics import Metrics
 from pdserve.controller.planning import Planning
 from pdserve.controller.pool import Pool
-from pdserve.controller.response_start import ResponseStart
+from pdserve.controller.response_start import ResponseStart, log_failures_in_one_line
 from pdserve.controller.router import DECODE_POLICIES, PREFILL_POLICIES
 from pdserve.controller.sequence import Settings
 from pdserve.errors import Refused
@@ -235,6 +235,7 @@ def add_routes(app, controller: PDController, metrics: Metrics,
 
     app.user_middleware.insert(0, Middleware(ResponseStart, controller_id=controller.pool.id))
     add_retry_after(app)
+    log_failures_in_one_line()
 
 
 def add_retry_after(app) -> None:

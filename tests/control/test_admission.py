@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from http import HTTPStatus
 
 import httpx
@@ -313,9 +314,10 @@ async def test_over_capacity_gets_429_with_retry_after_and_the_admitted_complete
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_request_that_waits_out_the_queue_timeout_gets_503_with_retry_after(
-        http, vllm_config, stream):
+        http, vllm_config, stream, caplog):
     """Streamed too: the wait happens after vLLM's server has started the stream, but the
-    refusal still goes out as a 503 of its own, not as an error event inside a 200."""
+    refusal still goes out as a 503 of its own, not as an error event inside a 200; vLLM's
+    stream generator logs it in one line, as a warning."""
     model = vllm_config.model_config.model
     c, client = await http(fast_settings(max_inflight=1, max_queued=4, queue_timeout=0.3))
     await c.add("prefill")
@@ -329,6 +331,9 @@ async def test_a_request_that_waits_out_the_queue_timeout_gets_503_with_retry_af
     assert late.headers["x-pdserve-controller"] == c.controller.pool.id
     assert late.json()["error"]["code"] == 503
     assert "queue timeout" in late.json()["error"]["message"]
+    if stream:
+        [record] = [r for r in caplog.records if "QueueTimeout" in r.getMessage()]
+        assert record.levelno == logging.WARNING and record.exc_info is None
     assert rejections(c, "queue_timeout") == 1
     assert (await first).status_code == 200
     assert c.controller.admission.queued == 0

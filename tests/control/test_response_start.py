@@ -5,14 +5,17 @@ answered with the error's own status instead of a 200 with an error event."""
 from __future__ import annotations
 
 import json
+import logging
+import sys
 
 import httpx
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from pdserve.controller.response_start import ResponseStart, error_before_output
-from pdserve.errors import QueueTimeout, retry_after_in
+from pdserve.controller.response_start import (STREAM_LOGGERS, OneLine, ResponseStart,
+                                               error_before_output)
+from pdserve.errors import QueueTimeout, RequestFailed, retry_after_in
 
 SSE_START = {"type": "http.response.start", "status": 200,
              "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]}
@@ -82,3 +85,33 @@ async def test_a_stream_that_fails_after_output_keeps_its_200_and_the_error_even
     # A response that is not a stream keeps its own status and body, with the header added.
     assert whole.status_code == 400 and whole.json() == error(400, "bad")
     assert whole.headers["x-pdserve-controller"] == "ctl-1"
+
+
+def logged(exc: BaseException) -> logging.LogRecord:
+    """What vLLM's stream generator logs when `exc` ends a stream, through the filter."""
+    try:
+        raise exc
+    except BaseException:
+        record = logging.LogRecord(STREAM_LOGGERS[0], logging.ERROR, __file__, 1,
+                                   "Error in completion stream generator.", (), sys.exc_info())
+    assert OneLine().filter(record)
+    return record
+
+
+def test_pdserves_own_failures_are_logged_in_one_line_and_a_refusal_as_a_warning():
+    refusal = logged(QueueTimeout("no slot came free", 3))
+    assert refusal.exc_info is None and refusal.levelno == logging.WARNING
+    assert refusal.getMessage() == ("Error in completion stream generator. QueueTimeout: no slot "
+                                    "came free; retry after 3 s")
+    failed = logged(RequestFailed("the decode worker failed 3 times"))
+    assert failed.exc_info is None and failed.levelno == logging.ERROR
+    assert "RequestFailed: the decode worker failed 3 times" in failed.getMessage()
+    bug = logged(KeyError("a bug"))  # anything else keeps its traceback
+    assert bug.exc_info is not None and bug.levelno == logging.ERROR
+
+
+def test_the_filtered_loggers_are_those_of_vllms_stream_generators():
+    from vllm.entrypoints.openai.chat_completion import serving as chat
+    from vllm.entrypoints.openai.completion import serving as completion
+
+    assert {completion.logger.name, chat.logger.name} == set(STREAM_LOGGERS)
