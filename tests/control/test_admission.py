@@ -312,9 +312,10 @@ async def test_over_capacity_gets_429_with_retry_after_and_the_admitted_complete
     await c.assert_clean()
 
 
-@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("stream,api", [(False, "completions"), (True, "completions"),
+                                        (True, "chat/completions")])
 async def test_a_request_that_waits_out_the_queue_timeout_gets_503_with_retry_after(
-        http, vllm_config, stream, caplog):
+        http, vllm_config, stream, api, caplog):
     """Streamed too: the wait happens after vLLM's server has started the stream, but the
     refusal still goes out as a 503 of its own, not as an error event inside a 200; vLLM's
     stream generator logs it in one line, as a warning."""
@@ -324,7 +325,11 @@ async def test_a_request_that_waits_out_the_queue_timeout_gets_503_with_retry_af
     await c.add("decode", decode_delay=0.05)
     first = asyncio.create_task(client.post("/v1/completions", json=body(model)))
     await wait_until(lambda: c.controller.admission.inflight == 1, 10, "the first to start")
-    late = await client.post("/v1/completions", json=body(model, stream=stream))
+    request = body(model, stream=stream)
+    if api == "chat/completions":  # vLLM's chat stream sends its role chunk after the output
+        del request["prompt"]
+        request["messages"] = [{"role": "user", "content": "hello"}]
+    late = await client.post(f"/v1/{api}", json=request)
     assert late.status_code == 503, late.text
     assert late.headers["content-type"] == "application/json"
     assert int(late.headers["retry-after"]) >= 1
