@@ -61,9 +61,8 @@ class Admission:
         self.timeout = timeout
         self.clock = clock
         # A request that passed `check` while the line had room may find it full when it
-        # reaches `enter` (vLLM renders the prompt in between, and a streaming response has
-        # started by then): it may still wait, this many slots beyond max_queued, rather than
-        # fail inside a 200 stream.
+        # reaches `enter` (vLLM renders the prompt in between): it may still wait, this many
+        # slots beyond max_queued, rather than be refused after the door let it in.
         self.grace = max(8, self.max_queued // 8)
         self.inflight = 0  # slots held
         self.queued = 0  # slots waited for

@@ -119,8 +119,7 @@ def add_pd_args(parser) -> None:
                         "is dead (a hung process, or a host gone without closing it); workers "
                         "give up on a controller silent for as long")
     # Long enough for a burst within the line's caps to drain: the door cannot estimate the
-    # wait before any request has finished, and a waiter that times out gets its 503 inside a
-    # stream whose 200 has gone out.
+    # wait before any request has finished, and a waiter that times out has waited in vain.
     g.add_argument("--queue-timeout", type=float, default=60.0,
                    help="seconds a request waits for an admission slot, and for a worker of a "
                         "needed role")

@@ -312,6 +312,17 @@ async def test_over_capacity_gets_429_with_retry_after_and_the_admitted_complete
     await c.assert_clean()
 
 
+async def one_slot_taken(http, model: str):
+    """A controller with one slot and a 0.3 s queue timeout, its slot held by a request of about
+    a second (20 tokens): (cluster, client, that request's task)."""
+    c, client = await http(fast_settings(max_inflight=1, max_queued=4, queue_timeout=0.3))
+    await c.add("prefill")
+    await c.add("decode", decode_delay=0.05)
+    first = asyncio.create_task(client.post("/v1/completions", json=body(model)))
+    await wait_until(lambda: c.controller.admission.inflight == 1, 10, "the first to start")
+    return c, client, first
+
+
 @pytest.mark.parametrize("stream,api", [(False, "completions"), (True, "completions"),
                                         (True, "chat/completions")])
 async def test_a_request_that_waits_out_the_queue_timeout_gets_503_with_retry_after(
@@ -320,11 +331,7 @@ async def test_a_request_that_waits_out_the_queue_timeout_gets_503_with_retry_af
     refusal still goes out as a 503 of its own, not as an error event inside a 200; vLLM's
     stream generator logs it in one line, as a warning."""
     model = vllm_config.model_config.model
-    c, client = await http(fast_settings(max_inflight=1, max_queued=4, queue_timeout=0.3))
-    await c.add("prefill")
-    await c.add("decode", decode_delay=0.05)
-    first = asyncio.create_task(client.post("/v1/completions", json=body(model)))
-    await wait_until(lambda: c.controller.admission.inflight == 1, 10, "the first to start")
+    c, client, first = await one_slot_taken(http, model)
     request = body(model, stream=stream)
     if api == "chat/completions":  # vLLM's chat stream sends its role chunk after the output
         del request["prompt"]
@@ -375,11 +382,7 @@ async def test_openais_client_retries_a_streamed_queue_timeout_and_is_served(htt
     import openai
 
     model = vllm_config.model_config.model
-    c, client = await http(fast_settings(max_inflight=1, max_queued=4, queue_timeout=0.3))
-    await c.add("prefill")
-    await c.add("decode", decode_delay=0.05)  # 20 tokens: about a second
-    first = asyncio.create_task(client.post("/v1/completions", json=body(model)))
-    await wait_until(lambda: c.controller.admission.inflight == 1, 10, "the first to start")
+    c, client, first = await one_slot_taken(http, model)
     app = client._transport.app  # the same vLLM app, through the transport OpenAI's client uses
     async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app),
                                   base_url="http://pdserve/v1") as h2:
