@@ -173,7 +173,8 @@ class FakeEngine:
                  vocab_size: int = VOCAB_SIZE, eos_token_id: int = EOS_TOKEN_ID,
                  prefill_delay_per_token: float = 0.0, decode_delay: float = 0.0,
                  hold_timeout: float = 120.0, fail_after_tokens: int | None = None,
-                 stall_after_tokens: int | None = None, kv_events: bool = True):
+                 stall_after_tokens: int | None = None, kv_events: bool = True,
+                 max_seqs: int = 0):
         self.info = info or fake_info()
         self.address = address
         self.kv_port = kv_port
@@ -201,6 +202,12 @@ class FakeEngine:
         self.kv_events: KvEventSource | None = self.cache if kv_events else None
         self.kv_blocks = num_blocks
         self.kv_block_bytes = KV_BYTES_PER_TOKEN * self.info.block_size
+        # As vLLM's --max-num-seqs (0: no limit): requests beyond it wait for a running one to
+        # end before they are scheduled (and before a decode reads its KV).
+        self.max_seqs = max_seqs
+        self._slots = asyncio.Semaphore(max_seqs) if max_seqs else None
+        self.waiting = 0
+        self.waited = 0  # requests that found every slot taken
         ENGINES[self.engine_id] = self
 
     # ---- leak checks -----------------------------------------------------------------------
@@ -260,16 +267,22 @@ class FakeEngine:
                              f"{self.info.max_model_len}")
         if request_id in self._active:
             raise ValueError(f"request {request_id} is already running")
-        kv_in = (p.extra_args or {}).get("kv_transfer_params") or {}
-        remote_decode = bool(kv_in.get("do_remote_decode"))
-        cached = local = self.cache.cached_tokens(prompt)
-        read_stats = None
-        if kv_in.get("do_remote_prefill"):
-            # Before any await, as vLLM admits it; only what the local cache lacks moves.
-            covered = self._read_remote(prompt, kv_in)
-            read_stats = [local, max(0, covered - local)]
-            self.kv_read_tokens += read_stats[1]
-            cached = max(local, covered)
+        await self._scheduled()
+        try:
+            kv_in = (p.extra_args or {}).get("kv_transfer_params") or {}
+            remote_decode = bool(kv_in.get("do_remote_decode"))
+            cached = local = self.cache.cached_tokens(prompt)
+            read_stats = None
+            if kv_in.get("do_remote_prefill"):
+                # Once scheduled, before any other await, as vLLM admits it; only what the
+                # local cache lacks moves.
+                covered = self._read_remote(prompt, kv_in)
+                read_stats = [local, max(0, covered - local)]
+                self.kv_read_tokens += read_stats[1]
+                cached = max(local, covered)
+        except BaseException:
+            self._unscheduled()
+            raise
         self._expire()
         self._active[request_id] = self._blocks(len(prompt))
         self.served.append(request_id)
@@ -327,6 +340,23 @@ class FakeEngine:
         finally:
             self._active.pop(request_id, None)
             self._aborted.discard(request_id)
+            self._unscheduled()
+
+    async def _scheduled(self) -> None:
+        """Wait for one of the max_seqs slots (at once when there is no limit)."""
+        if self._slots is None:
+            return
+        if self._slots.locked():
+            self.waited += 1
+        self.waiting += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self.waiting -= 1
+
+    def _unscheduled(self) -> None:
+        if self._slots is not None:
+            self._slots.release()
 
     async def _next_step(self) -> None:
         """Wait for the next decode step. As in an engine, one step advances every running
@@ -350,7 +380,7 @@ class FakeEngine:
     def load(self) -> Load:
         self._expire()
         used = sum(h.blocks for h in self._held.values()) + sum(self._active.values())
-        return Load(running=len(self._active), waiting=0,
+        return Load(running=len(self._active), waiting=self.waiting,
                     kv_usage=min(1.0, used / self.num_blocks))
 
     async def check_health(self) -> None:

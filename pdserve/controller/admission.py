@@ -1,5 +1,13 @@
 """Admission: at most `max_inflight` sequences run at once, at most `max_queued` wait for a slot.
 
+Nor more than the decode workers can run: every sequence ends as a stream on a decode engine,
+which runs at most its --max-num-seqs requests and queues the rest. A sequence let through
+beyond that had its prompt prefilled and its first token streamed, then waited inside the
+decode engine for a running stream to end: seconds of silence after a fast first token, with
+its prompt's blocks held on the prefill engine meanwhile. So the limit is the smaller of
+max_inflight and the decode slots (`slots`: the sum of the ready decode workers' max_seqs, None
+when unknown), and the rest waits here, in line, before any prefill.
+
 A request's path: `check` (before vLLM's server starts a response) -> `acquire`: its slots at
 once, or WAITING in line (FIFO) until they are free -> HOLDING -> `release`. It is refused
 instead, with `Overloaded` (429), when the line is full or would not clear within half the
@@ -56,10 +64,12 @@ class Ticket:
 
 class Admission:
     def __init__(self, max_inflight: int, max_queued: int, timeout: float,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 slots: Callable[[], int | None] = lambda: None):
         self.max_inflight, self.max_queued = limits(max_inflight, max_queued)
         self.timeout = timeout
         self.clock = clock
+        self.slots = slots
         # A request that passed `check` while the line had room may find it full when it
         # reaches `enter` (vLLM renders the prompt in between): it may still wait, this many
         # slots beyond max_queued, rather than be refused after the door let it in.
@@ -75,9 +85,9 @@ class Admission:
         if self._fits(n):
             return
         if self.queued + n > self.max_queued:
-            raise Overloaded(f"the controller is at capacity: {self.inflight} sequences running, "
-                             f"{self.queued} waiting (--max-inflight {self.max_inflight}, "
-                             f"--max-queued {self.max_queued})", "queue_full", self.retry_after())
+            raise Overloaded(f"the controller is at capacity: {self.inflight} sequences running "
+                             f"({self._limit_said()}), {self.queued} waiting (--max-queued "
+                             f"{self.max_queued})", "queue_full", self.retry_after())
         wait = self.expected_wait(n)
         if wait > WAIT_SHARE * self.timeout:
             raise Overloaded(f"the controller is at capacity: the line would take ~{wait:.0f} s "
@@ -110,8 +120,9 @@ class Admission:
             if t.granted_at is None:  # else the slots came in the same instant: keep them
                 self.release(t)
                 raise QueueTimeout(f"no slot came free within the queue timeout "
-                                   f"({self.timeout:g} s): {self.inflight} sequences running, "
-                                   f"{self.queued} waiting", self.retry_after()) from None
+                                   f"({self.timeout:g} s): {self.inflight} sequences running "
+                                   f"({self._limit_said()}), {self.queued} waiting",
+                                   self.retry_after()) from None
         except BaseException:  # cancelled (the client went away): leave the line
             self.release(t)
             raise
@@ -130,27 +141,47 @@ class Admission:
             held = self.clock() - t.granted_at
             self._hold = held if self._hold is None else self._hold + HOLD_WEIGHT * (
                 held - self._hold)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Start whoever the limit lets through now (also when the decode slots grew)."""
         # In FIFO order, and only from the head: a request for many slots is not overtaken
         # for ever by small ones.
-        while self._line and self.inflight + self._line[0].n <= self.max_inflight:
+        limit = self.limit()
+        while self._line and self._room(self._line[0].n, limit):
             head = self._line.popleft()
             self.queued -= head.n
             self._start(head)
+
+    def limit(self) -> int:
+        """Sequences that may run now: max_inflight, or fewer when the decode slots are."""
+        slots = self.slots()
+        return self.max_inflight if slots is None else min(self.max_inflight, slots)
 
     def expected_wait(self, n: int = 1) -> float:
         """Seconds a request for n slots arriving now would wait (0 until a hold is measured)."""
         if self._fits(n) or self._hold is None:
             return 0.0
-        # Slots come free at about max_inflight per average hold time.
-        return self._hold * (self.queued + n) / self.max_inflight
+        # Slots come free at about `limit` per average hold time.
+        return self._hold * (self.queued + n) / max(1, self.limit())
 
     def retry_after(self) -> int:
         """Whole seconds until the present line should have cleared, 1 to the queue timeout."""
-        wait = 0.0 if self._hold is None else self._hold * self.queued / self.max_inflight
+        wait = 0.0 if self._hold is None else self._hold * self.queued / max(1, self.limit())
         return max(1, math.ceil(min(wait, self.timeout)))
 
     def _fits(self, n: int) -> bool:
-        return not self._line and self.inflight + n <= self.max_inflight
+        return not self._line and self._room(n, self.limit())
+
+    def _room(self, n: int, limit: int) -> bool:
+        # A request for more sequences than the decode slots now runs alone rather than never.
+        return self.inflight + n <= limit or self.inflight == 0
+
+    def _limit_said(self) -> str:
+        limit = self.limit()
+        if limit < self.max_inflight:
+            return f"the decode workers run {limit} at once"
+        return f"--max-inflight {self.max_inflight}"
 
     def _check_size(self, n: int) -> None:
         if n > self.max_inflight:

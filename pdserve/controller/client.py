@@ -47,7 +47,8 @@ class PDController(EngineClient):
         self.decode_policy = make_policy(self.settings.decode_policy, block_size, "decode")
         self.metrics = metrics or Metrics()
         self.admission = Admission(self.settings.max_inflight, self.settings.max_queued,
-                                   self.settings.queue_timeout)
+                                   self.settings.queue_timeout, slots=self._decode_slots)
+        pool.watch(lambda _event, _worker: self.admission.refresh())
         self.metrics.watch_admission(self.admission)
         self.active: dict[str, list[Sequence]] = {}
         # With placement "slo": the controller's Planning (server.py), which places requests.
@@ -81,6 +82,14 @@ class PDController(EngineClient):
         except Refused as e:
             self.metrics.rejected(e.reason)
             raise
+
+    def _decode_slots(self) -> int | None:
+        """Streams the ready decode workers' engines run at once (None: unknown, or no decode
+        worker is ready, whose wait `Sequence` times and names)."""
+        workers = self.pool.registry.ready(Role.DECODE)
+        if not workers or not all(w.max_seqs for w in workers):
+            return None
+        return sum(w.max_seqs for w in workers)
 
     async def generate(self, prompt, sampling_params, request_id: str, *,
                        prompt_text: str | None = None, **kwargs: Any,

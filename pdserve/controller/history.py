@@ -139,7 +139,7 @@ class History:
     # ---- recording -------------------------------------------------------------------------
 
     def worker_event(self, event: str, worker: Worker) -> None:
-        """The pool's hook (Pool.on_worker_event): a membership change, marked when it happens."""
+        """The pool's hook (Pool.watch): a membership change, marked when it happens."""
         kind = EVENTS.get(event, event)
         last = next((m for m in reversed(self.marks) if m.worker == worker.id), None)
         if last is None or last.event != kind:

@@ -92,7 +92,7 @@ class Pool:
         self._tasks: list[asyncio.Task] = []
         self.dropped_messages = 0
         self._unreleased: deque[tuple[dict, str, str, float]] = deque(maxlen=100_000)
-        self.on_worker_event: Callable[[str, Worker], None] = lambda event, worker: None
+        self._watchers: list[Callable[[str, Worker], None]] = []  # membership changes
         self.loop: asyncio.AbstractEventLoop | None = None
         # What every publishing worker's engine holds (kvindex.py); made at the first
         # registration that brings events, with that engine's block size.
@@ -226,12 +226,21 @@ class Pool:
         leg.queue.put_nowait(WorkerLost(leg.worker.id, why))
         self.finish(leg)
 
+    def watch(self, fn: Callable[[str, Worker], None]) -> None:
+        """Call fn(event, worker) on every membership change ("registered", "draining",
+        "suspect", "cleared", "dead", "unregistered"), as it happens."""
+        self._watchers.append(fn)
+
+    def _event(self, event: str, worker: Worker) -> None:
+        for fn in self._watchers:
+            fn(event, worker)
+
     def lost(self, worker: Worker, why: str) -> None:
         """The worker can serve nothing more: mark it dead and fail every leg on it."""
         if self.registry.mark_dead(worker.id) is not None:
             self._forget_kv(worker.id)
             logger.warning("worker %s (%s) is dead: %s", worker.id, worker.role.label, why)
-            self.on_worker_event("dead", worker)
+            self._event("dead", worker)
             self.changed.set()
         for leg in [lg for lg in self.legs.values() if lg.worker.id == worker.id]:
             self._fail(leg, why)
@@ -290,7 +299,7 @@ class Pool:
             w = self.registry.drain(msg.worker_id) if self._from(identity, msg.worker_id) else None
             if w is not None:
                 logger.info("worker %s is draining", msg.worker_id)
-                self.on_worker_event("draining", w)
+                self._event("draining", w)
                 self.changed.set()
         elif isinstance(msg, protocol.Unregister):
             if self._from(identity, msg.worker_id):
@@ -300,7 +309,7 @@ class Pool:
                     logger.info("worker %s unregistered (%s)", w.id, msg.reason)
                     for leg in [lg for lg in self.legs.values() if lg.worker.id == w.id]:
                         self._fail(leg, "worker unregistered")
-                    self.on_worker_event("unregistered", w)
+                    self._event("unregistered", w)
                     self.changed.set()
         else:
             self.dropped_messages += 1
@@ -348,7 +357,7 @@ class Pool:
                     ", KV events on" if self.kv is not None and msg.kv_events else "",
                     " (replaced its earlier entry)" if note else "")
         self._reply(identity, self._accepted())
-        self.on_worker_event("registered", worker)
+        self._event("registered", worker)
         self.changed.set()
 
     # ---- the KV index ----------------------------------------------------------------------
@@ -439,7 +448,7 @@ class Pool:
             logger.warning("worker %s (%s) is suspect: not heard from for %.1f s; no new work "
                            "until it is, its %d legs keep running", w.id, w.role.label,
                            self.registry.clock() - w.last_seen, w.inflight)
-            self.on_worker_event("suspect", w)
+            self._event("suspect", w)
             self.changed.set()
         for w in found.dead:
             self.lost(w, f"not heard from for {self.registry.dead_after:g} s")
@@ -463,5 +472,5 @@ class Pool:
         if self.registry.heard(w.id):
             logger.info("worker %s spoke after %.1f s of silence: no longer suspect", w.id,
                         silent)
-            self.on_worker_event("cleared", w)
+            self._event("cleared", w)
             self.changed.set()

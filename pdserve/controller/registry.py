@@ -64,6 +64,7 @@ class Worker:
     session: str = ""  # its registration's (protocol.Register)
     kv_events: bool = False  # its engine's prefix-cache events reach the pool's KV index
     kv_block_bytes: int = 0  # bytes of one KV block (0: unknown)
+    max_seqs: int = 0  # requests its engine runs at once (0: unknown)
     # What it is given: its role, or for an AUTO worker what the planner assigned (it starts as
     # BOTH, serving requests whole, which is right for a worker alone).
     duty: Role = Role.BOTH
@@ -89,6 +90,10 @@ class Worker:
         others = max(0, self.load.running + self.load.waiting - self.inflight_at_report)
         return others + self.inflight + self.reserved
 
+    def has_slot(self) -> bool:
+        """Its engine can start one more request now (as far as its load says)."""
+        return not self.max_seqs or self.score() < self.max_seqs
+
     def as_json(self, now: float) -> dict:
         return {
             "id": self.id,
@@ -104,6 +109,7 @@ class Worker:
             "kv_usage": round(self.load.kv_usage, 4),
             "inflight": self.inflight,
             "reserved": self.reserved,
+            "max_seqs": self.max_seqs,
             "queued_prefill_tokens": self.queued_prefill_tokens,
             "legs_total": self.legs_total,
             "pid": self.pid,
@@ -151,7 +157,7 @@ class Registry:
         worker = Worker(msg.worker_id, Role(msg.role), msg.address, msg.kv_port, msg.info,
                         identity, registered_at=now, last_seen=now, pid=msg.pid,
                         kv_events=msg.kv_events, kv_block_bytes=msg.kv_block_bytes,
-                        session=msg.session)
+                        max_seqs=msg.max_seqs, session=msg.session)
         if old is not None and old.auto and worker.auto:
             worker.duty = old.duty  # the planner's assignment stands
         self.workers[msg.worker_id] = worker

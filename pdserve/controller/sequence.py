@@ -243,6 +243,8 @@ class Sequence:
                       ) -> tuple[Worker, int | None]:
         """A worker for `side`, and the tokens of `tokens` the KV index says it holds."""
         candidates = self._untried(await self._ready(side))
+        if side == Role.DECODE:
+            candidates = _with_slot(candidates)
         cached = self._cached(tokens, candidates) if policy.uses_cache else None
         w = policy.choose(candidates, tokens, cached)
         assert w is not None
@@ -319,7 +321,7 @@ class Sequence:
     async def _placed(self, a: _Plan) -> tuple[Worker, Worker | None, str]:
         """The SLO's choice (`--placement slo`): the same, from the placer's cost models."""
         assert self.placer is not None
-        decoders = self._untried(await self._ready(Role.DECODE))
+        decoders = _with_slot(self._untried(await self._ready(Role.DECODE)))
         prefillers = self._untried(self.pool.registry.ready(Role.PREFILL))
         workers = {w.id: w for w in [*decoders, *prefillers]}
         cached = self._cached(a.ctx, list(workers.values())) or {}
@@ -707,6 +709,13 @@ class Sequence:
         if not self.pool.release_kv(kv, self._leg_id("r")):
             logger.warning("request %s: no decode worker to release %s's blocks yet; retried "
                            "when one is ready", self.request_id, p.id)
+
+
+def _with_slot(decoders: list[Worker]) -> list[Worker]:
+    """Decode workers whose engines can start the stream at once, if any: elsewhere it would
+    wait for one of their streams to end (admission.py keeps the total within their slots,
+    this spreads it)."""
+    return [w for w in decoders if w.has_slot()] or decoders
 
 
 def _extends(a: _Plan, first: SeqDelta, kv: dict, params) -> bool:

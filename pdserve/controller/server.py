@@ -278,7 +278,7 @@ async def serve(args: argparse.Namespace) -> None:
     if registry is prometheus_client.REGISTRY:
         registry.register(metrics.registry)
     history = History(metrics, interval=args.dashboard_interval)
-    pool.on_worker_event = history.worker_event
+    pool.watch(history.worker_event)
     pool.start()
     sampler = asyncio.create_task(history.run())
     controller = PDController(vllm_config, pool, settings_from(args), metrics)

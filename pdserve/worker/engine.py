@@ -34,6 +34,7 @@ class Engine(Protocol):
     kv_events: KvEventSource | None  # its prefix cache's KV events, if it publishes them
     kv_blocks: int  # KV cache blocks (0: unknown)
     kv_block_bytes: int  # bytes of one block's KV across all layers (what a handoff moves)
+    max_seqs: int  # requests it runs at once (0: unknown)
 
     def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: Any,
                  ) -> AsyncIterator[Any]:
@@ -241,6 +242,7 @@ class VllmEngine:
         self.vllm_config = self.llm.vllm_config
         self.kv_blocks = self.vllm_config.cache_config.num_gpu_blocks or 0
         self.kv_block_bytes = block_bytes(self.vllm_config)
+        self.max_seqs = self.vllm_config.scheduler_config.max_num_seqs or 0
         self.kv_events = event_source(args)
 
     def generate(self, request_id, prompt_token_ids, sampling_params):

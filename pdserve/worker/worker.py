@@ -362,7 +362,7 @@ class PDWorker:
                                  kv_events=self.engine.kv_events is not None,
                                  kv_blocks=self.engine.kv_blocks,
                                  kv_block_bytes=self.engine.kv_block_bytes,
-                                 session=link.session)
+                                 max_seqs=self.engine.max_seqs, session=link.session)
 
     async def _heartbeat_loop(self) -> None:
         beat = time.monotonic()

@@ -168,6 +168,36 @@ def test_a_line_that_would_not_clear_in_half_the_queue_timeout_is_refused_early(
     assert (a.inflight, a.queued) == (0, 0)
 
 
+def test_the_decode_slots_lower_the_limit_and_new_slots_start_the_line():
+    slots: list[int | None] = [2]
+    a = Admission(8, 8, 10.0, clock=Clock(), slots=lambda: slots[0])
+    running = [a.enter(), a.enter()]
+    third = a.enter()  # max_inflight has room, the decode engines do not
+    assert third.granted_at is None and a.limit() == 2
+    with pytest.raises(Overloaded) as e:
+        a.check(8)
+    assert "the decode workers run 2 at once" in e.value.message
+    slots[0] = 3  # a decode worker joined
+    a.refresh()
+    assert third.granted_at is not None and a.inflight == 3
+    slots[0] = None  # none ready (or one that does not say): max_inflight alone
+    assert a.limit() == 8 and a.enter().granted_at is not None
+    for t in [*running, third]:
+        a.release(t)
+
+
+def test_a_request_for_more_sequences_than_the_decode_slots_runs_alone():
+    a = Admission(8, 8, 10.0, clock=Clock(), slots=lambda: 2)
+    first = a.enter()
+    big = a.enter(4)
+    after = a.enter()
+    assert big.granted_at is None
+    a.release(first)
+    assert big.granted_at is not None and after.granted_at is None
+    a.release(big)
+    assert after.granted_at is not None
+
+
 async def test_acquire_waits_for_a_slot_in_order():
     a = adm(inflight=1, queued=4)
     first = await a.acquire()

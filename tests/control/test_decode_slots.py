@@ -1,0 +1,77 @@
+"""Decode slots: a stream beyond what the decode engines run at once (their --max-num-seqs) waits
+in the controller's line before its prefill, not inside a decode engine after its first token
+(controller/admission.py). Fake engines with `max_seqs` queue requests beyond it as vLLM's
+scheduler does, and count those that had to wait (`waited`)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from fakepool import fast_settings, final_tokens, greedy, wait_until
+
+PROMPT = list(range(10, 60))
+
+
+async def run_all(cluster, n: int, max_tokens: int) -> list[list]:
+    return await asyncio.gather(*(cluster.run(PROMPT, greedy(max_tokens)) for _ in range(n)))
+
+
+@pytest.mark.parametrize("says", [True, False], ids=["slots-known", "slots-unknown"])
+async def test_streams_beyond_the_decode_slots_wait_before_their_prefill(make_cluster, says):
+    cluster = await make_cluster(fast_settings(queue_timeout=20.0))
+    await cluster.add("prefill")
+    d = cluster.start("decode", max_seqs=2, decode_delay=0.005)
+    if not says:  # a worker that does not report it: the engine queues the streams instead
+        d.engine.max_seqs = 0  # type: ignore[attr-defined]
+    await wait_until(lambda: cluster.is_ready(d.worker_id), 10, "the decode worker")
+
+    outs = await run_all(cluster, 6, max_tokens=12)
+
+    assert [len(final_tokens(o)) for o in outs] == [12] * 6
+    engine = cluster.engine(d.worker_id)
+    if says:
+        assert engine.waited == 0  # no stream waited in the engine with its first token out
+        assert cluster.controller.admission.limit() == 2
+    else:
+        assert engine.waited > 0
+        assert cluster.controller.admission.limit() == cluster.controller.settings.max_inflight
+    await cluster.assert_clean()
+
+
+async def test_a_decode_worker_that_joins_starts_the_streams_waiting_for_slots(make_cluster):
+    cluster = await make_cluster(fast_settings(queue_timeout=20.0))
+    await cluster.add("prefill")
+    await cluster.add("decode", max_seqs=1, decode_delay=0.02)
+    admission = cluster.controller.admission
+    long = asyncio.create_task(cluster.run(PROMPT, greedy(150)))  # ~3 s of decode steps
+    await wait_until(lambda: admission.inflight == 1, 5, "the first stream to start")
+    second = asyncio.create_task(cluster.run(PROMPT, greedy(4)))
+    await wait_until(lambda: admission.queued == 1, 5, "the second to wait for a slot")
+
+    await cluster.add("decode", max_seqs=1)
+
+    # The join alone starts it: nothing was released meanwhile.
+    assert len(final_tokens(await asyncio.wait_for(second, 10))) == 4
+    assert not long.done()
+    assert len(final_tokens(await long)) == 150
+    assert all(e.waited == 0 for e in cluster.engines())
+    await cluster.assert_clean()
+
+
+async def test_a_stream_goes_to_a_decode_worker_with_a_free_slot_whatever_the_policy(
+        make_cluster):
+    # Round robin alone would give the small worker every other stream.
+    cluster = await make_cluster(fast_settings(queue_timeout=20.0,
+                                               decode_policy="round_robin"))
+    await cluster.add("prefill")
+    small, = await cluster.add("decode", max_seqs=1, decode_delay=0.005)
+    big, = await cluster.add("decode", max_seqs=3, decode_delay=0.005)
+
+    outs = await run_all(cluster, 4, max_tokens=12)
+
+    assert [len(final_tokens(o)) for o in outs] == [12] * 4
+    assert cluster.engine(small.worker_id).waited == 0
+    assert cluster.engine(big.worker_id).waited == 0
+    assert len(cluster.engine(big.worker_id).served) == 3
+    await cluster.assert_clean()
