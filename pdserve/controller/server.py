@@ -126,9 +126,9 @@ def add_pd_args(parser) -> None:
     # Bounded by default: the controller's memory must not grow with the offered load.
     g.add_argument("--max-inflight", type=int, default=512,
                    help="sequences running at once (a request with n > 1 counts n); more wait "
-                        "in line. 512: a few decode engines at vLLM's default --max-num-seqs "
-                        "(128 to 1024 by device); for a bigger pool, about the decode engines' "
-                        "--max-num-seqs summed")
+                        "in line. Never more than the ready decode workers run at once (their "
+                        "engines' --max-num-seqs summed, as they report it); raise it for a pool "
+                        "whose decode engines run more than 512 together")
     g.add_argument("--max-queued", type=int, default=1024,
                    help="sequences waiting in line (FIFO, each up to --queue-timeout) for a "
                         "slot; when the line is full, or would not clear within half of "

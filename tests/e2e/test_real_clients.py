@@ -14,7 +14,7 @@ import sys
 import time
 
 import openai
-from procs import get_json
+from procs import get_json, metric
 from test_openai import prompt_ids
 
 WORDS = ("alpha beta gamma delta kernel import return class while yield lambda self data "
@@ -130,6 +130,51 @@ def test_conversations_with_a_shared_system_prompt_come_back_turn_after_turn(pd_
           f"{sum(r in ('length', 'stop') for r in reasons)} of {len(reasons)} whole")
     assert all(r in ("length", "stop") for r in reasons), reasons
     assert pool_pids(pd_server.base) == before
+
+
+def test_streams_beyond_the_decode_engines_slots_wait_before_their_first_token(pd_server,
+                                                                              model_dir):
+    """More streams at once than the decode engine runs (its --max-num-seqs, 128 by default on
+    a CPU): the rest wait in the controller's line before their prefill, never inside the
+    decode engine with their first token already out (a fast first token, then seconds of
+    silence). Every stream is whole."""
+    base = pd_server.base
+    decode, = [w for w in get_json(base + "/pd/workers") if w["role"] == "decode"]
+    slots = decode["max_seqs"]
+    assert slots > 0
+    n = slots + 32  # short prompts, long answers: the decode engine is what runs out
+    in_engine: list[int] = []  # the decode engine's requests, running and waiting
+    in_line: list[float] = []  # sequences waiting in the controller's line
+
+    async def sample(done: asyncio.Event) -> None:
+        while not done.is_set():
+            workers = await asyncio.to_thread(get_json, base + "/pd/workers")
+            in_engine.extend(w["running"] + w["waiting"] for w in workers
+                             if w["id"] == decode["id"])
+            in_line.append(await asyncio.to_thread(metric, base, "pdserve_queued_sequences"))
+            await asyncio.sleep(0.2)
+
+    async def drive() -> list[str]:
+        client = openai.AsyncOpenAI(base_url=pd_server.v1, api_key="none", timeout=300,
+                                    max_retries=0)
+        rng = random.Random(31)
+        done = asyncio.Event()
+        sampler = asyncio.create_task(sample(done))
+        try:
+            results = await asyncio.gather(*(run_case(client, model_dir, {
+                "chat": False, "stream": True, "kw": {"max_tokens": 160},
+                "text": " ".join(rng.choice(WORDS) for _ in range(40))}) for _ in range(n)))
+            return [outcome for outcome, _ in results]
+        finally:
+            done.set()
+            await sampler
+
+    outcomes = asyncio.run(drive())
+    print(f"\n{n} streams at once, {slots} decode slots: {outcomes.count('ok')} whole; the "
+          f"decode engine held at most {max(in_engine)}, the line at most {max(in_line):.0f}")
+    assert outcomes == ["ok"] * n
+    assert max(in_engine) <= slots
+    assert max(in_line) > 0
 
 
 def test_unseeded_random_sampling_varies_and_is_whole(pd_client, model_dir):
