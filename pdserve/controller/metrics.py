@@ -121,6 +121,9 @@ class Metrics:
                               "n > 1 counts n)", registry=r)
         self.queued = Gauge("pdserve_queued_sequences", "Sequences waiting for an admission slot",
                             registry=r)
+        self.limit = Gauge("pdserve_admission_limit", "Sequences that may run at once: "
+                           "--max-inflight, or the ready decode workers' slots when fewer",
+                           registry=r)
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens of requests "
                                      "(counted once per request)", registry=r)
         # Recent finished requests for the dashboard: (end time, outcome, ttft, tpot, e2e).
@@ -154,6 +157,7 @@ class Metrics:
     def watch_admission(self, admission) -> None:
         self.inflight.set_function(lambda: admission.inflight)
         self.queued.set_function(lambda: admission.queued)
+        self.limit.set_function(admission.limit)
 
     def watch_pool(self, registry) -> None:
         """Export per-worker gauges from the pool registry at scrape time."""
