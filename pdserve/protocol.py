@@ -111,12 +111,13 @@ class Register(_Msg):
     kv_events: bool = False
     kv_blocks: int = 0
     kv_block_bytes: int = 0
-    # Requests its engine runs at once (vLLM's --max-num-seqs; 0: unknown): the decode streams
-    # it can take. The controller holds back the prefill of any more (admission.py).
-    max_seqs: int = 0
     # The same in every Register the worker resends until one is acknowledged, new once it
     # registers again (after dropping its legs): a resent one is not a restart.
     session: str = ""
+    # Requests its engine runs at once (vLLM's --max-num-seqs; 0: unknown): the decode streams
+    # it can take; the controller holds back the prefill of any more (admission.py). Last:
+    # fields are positional on the wire, and a peer one version older ignores a trailing one.
+    max_seqs: int = 0
 
 
 class RegisterAck(_Msg):
