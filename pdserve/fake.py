@@ -280,16 +280,12 @@ class FakeEngine:
                 read_stats = [local, max(0, covered - local)]
                 self.kv_read_tokens += read_stats[1]
                 cached = max(local, covered)
-        except BaseException:
-            self._unscheduled()
-            raise
-        self._expire()
-        self._active[request_id] = self._blocks(len(prompt))
-        self.served.append(request_id)
-        self.received.append((prompt, p))
-        sampler = _Sampler(p, self.eos_token_id, self.vocab_size)
-        context = list(prompt)
-        try:
+            self._expire()
+            self._active[request_id] = self._blocks(len(prompt))
+            self.served.append(request_id)
+            self.received.append((prompt, p))
+            sampler = _Sampler(p, self.eos_token_id, self.vocab_size)
+            context = list(prompt)
             await asyncio.sleep(self.prefill_delay_per_token * (len(prompt) - cached))
             self._check_alive()
             self.cache.store(prompt)
