@@ -97,6 +97,10 @@ class Load(_Msg):
     # streams it was sending then (the controllers' cost models fit step time against it).
     step_s: float = 0.0
     step_running: float = 0.0
+    # Requests the worker holds for other controllers as this heartbeat leaves (each controller
+    # gets its own figure): slots of its engine this controller cannot have (admission.py).
+    # Last: fields are positional on the wire, and a peer one version older ignores a trailing one.
+    others: int = 0
 
 
 class Register(_Msg):

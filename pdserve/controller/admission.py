@@ -5,8 +5,9 @@ which runs at most its --max-num-seqs requests and queues the rest. A sequence l
 beyond that had its prompt prefilled and its first token streamed, then waited inside the
 decode engine for a running stream to end: seconds of silence after a fast first token, with
 its prompt's blocks held on the prefill engine meanwhile. So the limit is the smaller of
-max_inflight and the decode slots (`slots`: the sum of the ready decode workers' max_seqs, None
-when unknown), and the rest waits here, in line, before any prefill.
+max_inflight and the decode slots free for this controller (`slots`: over the ready decode
+workers, their max_seqs less what other controllers hold there, as of their last heartbeats;
+None when unknown), and the rest waits here, in line, before any prefill.
 
 A request's path: `check` (before vLLM's server starts a response) -> `acquire`: its slots at
 once, or WAITING in line (FIFO) until they are free -> HOLDING -> `release`. It is refused
@@ -28,6 +29,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from pdserve.errors import Overloaded, QueueTimeout, TooManySequences
 
@@ -52,6 +54,13 @@ def limits(max_inflight: int, max_queued: int, max_total: int | None = None) -> 
     return inflight, min(max_queued, max_total - inflight)
 
 
+class Slots(NamedTuple):
+    """The ready decode workers' slots: free for this controller, and all of them."""
+
+    free: int
+    total: int
+
+
 @dataclass(eq=False)
 class Ticket:
     """One request's claim on n slots."""
@@ -65,7 +74,7 @@ class Ticket:
 class Admission:
     def __init__(self, max_inflight: int, max_queued: int, timeout: float,
                  clock: Callable[[], float] = time.monotonic,
-                 slots: Callable[[], int | None] = lambda: None):
+                 slots: Callable[[], Slots | None] = lambda: None):
         self.max_inflight, self.max_queued = limits(max_inflight, max_queued)
         self.timeout = timeout
         self.clock = clock
@@ -154,9 +163,9 @@ class Admission:
             self._start(head)
 
     def limit(self) -> int:
-        """Sequences that may run now: max_inflight, or fewer when the decode slots are."""
+        """Sequences that may run now: max_inflight, or fewer when the free decode slots are."""
         slots = self.slots()
-        return self.max_inflight if slots is None else min(self.max_inflight, slots)
+        return self.max_inflight if slots is None else min(self.max_inflight, slots.free)
 
     def expected_wait(self, n: int = 1) -> float:
         """Seconds a request for n slots arriving now would wait (0 until a hold is measured)."""
@@ -174,14 +183,22 @@ class Admission:
         return not self._line and self._room(n, self.limit())
 
     def _room(self, n: int, limit: int) -> bool:
-        # A request for more sequences than the decode slots now runs alone rather than never.
-        return self.inflight + n <= limit or self.inflight == 0
+        # A request for more sequences than all the decode slots runs alone rather than never.
+        # One that fits waits for slots other controllers hold: they end, and heartbeats say so.
+        return self.inflight + n <= limit or (self.inflight == 0 and n > self._capacity())
+
+    def _capacity(self) -> int:
+        slots = self.slots()
+        return self.max_inflight if slots is None else min(self.max_inflight, slots.total)
 
     def _limit_said(self) -> str:
-        limit = self.limit()
-        if limit < self.max_inflight:
-            return f"the decode workers run {limit} at once"
-        return f"--max-inflight {self.max_inflight}"
+        slots = self.slots()
+        if slots is None or slots.free >= self.max_inflight:
+            return f"--max-inflight {self.max_inflight}"
+        said = f"the decode workers run {slots.total} at once"
+        if slots.free < slots.total:
+            said += f", other controllers hold {slots.total - slots.free} of them"
+        return said
 
     def _check_size(self, n: int) -> None:
         if n > self.max_inflight:

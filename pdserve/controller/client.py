@@ -18,7 +18,7 @@ from vllm.engine.protocol import EngineClient
 from vllm.exceptions import GracefulHTTPError
 from vllm.v1.engine.exceptions import EngineDeadError
 
-from pdserve.controller.admission import Admission, Ticket
+from pdserve.controller.admission import Admission, Slots, Ticket
 from pdserve.controller.metrics import Metrics
 from pdserve.controller.pool import Pool
 from pdserve.controller.router import make_policy
@@ -83,13 +83,14 @@ class PDController(EngineClient):
             self.metrics.rejected(e.reason)
             raise
 
-    def _decode_slots(self) -> int | None:
-        """Streams the ready decode workers' engines run at once (None: unknown, or no decode
-        worker is ready, whose wait `Sequence` times and names)."""
+    def _decode_slots(self) -> Slots | None:
+        """Streams the ready decode workers' engines run at once, and those other controllers
+        do not hold (None: unknown, or no decode worker is ready, whose wait `Sequence` times
+        and names)."""
         workers = self.pool.registry.ready(Role.DECODE)
         if not workers or not all(w.max_seqs for w in workers):
             return None
-        return sum(w.max_seqs for w in workers)
+        return Slots(sum(w.free_slots() for w in workers), sum(w.max_seqs for w in workers))
 
     async def generate(self, prompt, sampling_params, request_id: str, *,
                        prompt_text: str | None = None, **kwargs: Any,

@@ -140,7 +140,9 @@ class History:
 
     def worker_event(self, event: str, worker: Worker) -> None:
         """The pool's hook (Pool.watch): a membership change, marked when it happens."""
-        kind = EVENTS.get(event, event)
+        kind = EVENTS.get(event)
+        if kind is None:  # not a membership change ("others": a load report)
+            return
         last = next((m for m in reversed(self.marks) if m.worker == worker.id), None)
         if last is None or last.event != kind:
             self.marks.append(Mark(self.clock(), worker.id, worker.role.label, kind))

@@ -122,7 +122,8 @@ class Metrics:
         self.queued = Gauge("pdserve_queued_sequences", "Sequences waiting for an admission slot",
                             registry=r)
         self.limit = Gauge("pdserve_admission_limit", "Sequences that may run at once: "
-                           "--max-inflight, or the ready decode workers' slots when fewer",
+                           "--max-inflight, or the ready decode workers' slots when fewer (less those "
+                           "other controllers hold)",
                            registry=r)
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens of requests "
                                      "(counted once per request)", registry=r)

@@ -228,7 +228,9 @@ class Pool:
 
     def watch(self, fn: Callable[[str, Worker], None]) -> None:
         """Call fn(event, worker) on every membership change ("registered", "draining",
-        "suspect", "cleared", "dead", "unregistered"), as it happens."""
+        "suspect", "cleared", "dead", "unregistered"), as it happens; and with "others" when a
+        heartbeat says other controllers hold a different number of its requests (its slots
+        free for this one changed)."""
         self._watchers.append(fn)
 
     def _event(self, event: str, worker: Worker) -> None:
@@ -287,12 +289,16 @@ class Pool:
         if isinstance(msg, protocol.Heartbeat):
             if not self._from(identity, msg.worker_id):
                 return
+            known = self.registry.workers.get(msg.worker_id)
+            others_before = known.load.others if known is not None else 0
             w = self.registry.heartbeat(msg.worker_id, msg.load, msg.draining)
             if w is None:
                 self._reply(identity, protocol.RegisterAck(False, "unknown worker", self.id,
                                                            reregister=True))
             else:
                 self._reply(identity, self._accepted())
+                if msg.load.others != others_before:
+                    self._event("others", w)
         elif isinstance(msg, protocol.Register):
             self._on_register(identity, msg)
         elif isinstance(msg, protocol.Drain):

@@ -90,6 +90,10 @@ class Worker:
         others = max(0, self.load.running + self.load.waiting - self.inflight_at_report)
         return others + self.inflight + self.reserved
 
+    def free_slots(self) -> int:
+        """Of its engine's max_seqs, those no other controller holds (as of its last heartbeat)."""
+        return max(0, self.max_seqs - self.load.others)
+
     def has_slot(self) -> bool:
         """Its engine can start one more request now (as far as its load says)."""
         return not self.max_seqs or self.score() < self.max_seqs

@@ -389,7 +389,9 @@ class PDWorker:
                     continue
                 msg: protocol.Heartbeat | protocol.Register
                 if link.registered:
-                    msg = protocol.Heartbeat(self.worker_id, load,
+                    others = len(self.tasks) - self._count(i)
+                    msg = protocol.Heartbeat(self.worker_id,
+                                             msgspec.structs.replace(load, others=others),
                                              self.draining or link.retiring)
                 else:
                     msg = self._register_msg(link)

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from fakepool import cancelled_after, fast_settings, wait_until
 
-from pdserve.controller.admission import Admission, limits
+from pdserve.controller.admission import Admission, Slots, limits
 from pdserve.errors import Overloaded, QueueTimeout, TooManySequences
 
 
@@ -169,7 +169,7 @@ def test_a_line_that_would_not_clear_in_half_the_queue_timeout_is_refused_early(
 
 
 def test_the_decode_slots_lower_the_limit_and_new_slots_start_the_line():
-    slots: list[int | None] = [2]
+    slots: list[Slots | None] = [Slots(2, 2)]
     a = Admission(8, 8, 10.0, clock=Clock(), slots=lambda: slots[0])
     running = [a.enter(), a.enter()]
     third = a.enter()  # max_inflight has room, the decode engines do not
@@ -177,7 +177,7 @@ def test_the_decode_slots_lower_the_limit_and_new_slots_start_the_line():
     with pytest.raises(Overloaded) as e:
         a.check(8)
     assert "the decode workers run 2 at once" in e.value.message
-    slots[0] = 3  # a decode worker joined
+    slots[0] = Slots(3, 3)  # a decode worker joined
     a.refresh()
     assert third.granted_at is not None and a.inflight == 3
     slots[0] = None  # none ready (or one that does not say): max_inflight alone
@@ -187,7 +187,7 @@ def test_the_decode_slots_lower_the_limit_and_new_slots_start_the_line():
 
 
 def test_a_request_for_more_sequences_than_the_decode_slots_runs_alone():
-    a = Admission(8, 8, 10.0, clock=Clock(), slots=lambda: 2)
+    a = Admission(8, 8, 10.0, clock=Clock(), slots=lambda: Slots(2, 2))
     first = a.enter()
     big = a.enter(4)
     after = a.enter()
@@ -196,6 +196,24 @@ def test_a_request_for_more_sequences_than_the_decode_slots_runs_alone():
     assert big.granted_at is not None and after.granted_at is None
     a.release(big)
     assert after.granted_at is not None
+
+
+def test_slots_other_controllers_hold_wait_for_them_even_with_nothing_running_here():
+    slots = [Slots(free=0, total=2)]  # another controller holds both
+    a = Admission(8, 8, 10.0, clock=Clock(), slots=lambda: slots[0])
+    first = a.enter()
+    assert first.granted_at is None and a.limit() == 0
+    with pytest.raises(Overloaded) as e:
+        a.check(8)
+    assert "the decode workers run 2 at once, other controllers hold 2 of them" in e.value.message
+    big = a.enter(3)  # more than all the slots: it could never fit, so it runs alone
+    slots[0] = Slots(free=1, total=2)  # a heartbeat: one of theirs ended
+    a.refresh()
+    assert first.granted_at is not None and big.granted_at is None
+    a.release(first)
+    assert big.granted_at is not None
+    a.release(big)
+    assert (a.inflight, a.queued) == (0, 0)
 
 
 async def test_acquire_waits_for_a_slot_in_order():

@@ -76,3 +76,28 @@ async def test_a_stream_goes_to_a_decode_worker_with_a_free_slot_whatever_the_po
     assert cluster.engine(big.worker_id).waited == 0
     assert len(cluster.engine(big.worker_id).served) == 3
     await cluster.assert_clean()
+
+
+async def test_two_controllers_leave_each_other_the_slots_they_hold(make_cluster):
+    # Each controller counts its own streams; the decode worker's heartbeat to each tells it
+    # how many it holds for the others (protocol.Load.others).
+    a = await make_cluster(fast_settings(queue_timeout=20.0))
+    b = await make_cluster(fast_settings(queue_timeout=20.0))
+    both = [a.address, b.address]
+    p, = await a.add("prefill", controllers=both)
+    d, = await a.add("decode", controllers=both, max_seqs=2, decode_delay=0.01)
+    await wait_until(lambda: b.is_ready(p.worker_id) and b.is_ready(d.worker_id), 10,
+                     "both workers to register with B")
+    b.workers.update(a.workers)
+    at_a = asyncio.create_task(run_all(a, 2, max_tokens=80))  # both slots, for ~1 s
+    seen_by_b = b.pool.registry.workers[d.worker_id]
+    await wait_until(lambda: seen_by_b.load.others == 2, 5, "B to hear that A holds both")
+    assert b.controller.admission.limit() == 0
+
+    outs_b = await run_all(b, 3, max_tokens=12)
+
+    assert [len(final_tokens(o)) for o in outs_b] == [12] * 3
+    assert [len(final_tokens(o)) for o in await at_a] == [80] * 2
+    assert d.engine.waited == 0  # type: ignore[attr-defined]  # B's waited in its line
+    await a.assert_clean()
+    await b.assert_clean()

@@ -28,7 +28,7 @@ MESSAGES = [
                       kv_blocks=4096, kv_block_bytes=65536),
     protocol.RegisterAck(False, "model: no", "c1", 0.25, reregister=True, dead_after=30.0,
                          siblings=[8002, 8003]),
-    protocol.Heartbeat("w1", Load(3, 4, 0.75), draining=True),
+    protocol.Heartbeat("w1", Load(3, 4, 0.75, others=2), draining=True),
     protocol.Drain("w1"),
     protocol.Unregister("w1", "drained"),
     protocol.Generate("r1-0-p1", Phase.DECODE, [1, 2, 3],
