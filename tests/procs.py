@@ -12,7 +12,25 @@ import time
 import urllib.request
 from pathlib import Path
 
+from pdserve.bench.soak import shm_left, shm_used, tree
 from pdserve.net import free_port, free_ports  # noqa: F401  (tests take them from here)
+
+SHM = Path("/dev/shm")
+
+
+def shm_of(pid: int) -> set[str]:
+    """The /dev/shm files `pid` and its descendants use now (note them before a SIGKILL)."""
+    return shm_used(tree(pid))
+
+
+def remove_shm_left(ours: set[str]) -> list[str]:
+    """Remove those of `ours` that no process uses any more. A group killed with SIGKILL takes
+    its multiprocessing resource tracker with it, so the named semaphores it would have unlinked
+    (`sem.mp-*`, an engine core's executor lock) stay in /dev/shm; returns their names."""
+    left = list(shm_left(ours, 0.0, SHM))
+    for name in left:
+        (SHM / name).unlink(missing_ok=True)
+    return left
 
 
 class Proc:

@@ -171,13 +171,21 @@ class Admission:
         """Seconds a request for n slots arriving now would wait (0 until a hold is measured)."""
         if self._fits(n) or self._hold is None:
             return 0.0
-        # Slots come free at about `limit` per average hold time.
-        return self._hold * (self.queued + n) / max(1, self.limit())
+        return self._to_start(self.queued + n)
 
     def retry_after(self) -> int:
         """Whole seconds until the present line should have cleared, 1 to the queue timeout."""
-        wait = 0.0 if self._hold is None else self._hold * self.queued / max(1, self.limit())
+        wait = 0.0 if self._hold is None else self._to_start(self.queued)
         return max(1, math.ceil(min(wait, self.timeout)))
+
+    def _to_start(self, waiting: int) -> float:
+        """Seconds until `waiting` slots in line have started. Running sequences end at about
+        max(inflight, limit) per average hold; while more run than the limit (it fell: a decode
+        worker left, or other controllers hold more of the slots than they did) the first of
+        them to end start nobody."""
+        assert self._hold is not None
+        limit = self.limit()
+        return self._hold * (max(0, self.inflight - limit) + waiting) / max(1, self.inflight, limit)
 
     def _fits(self, n: int) -> bool:
         return not self._line and self._room(n, self.limit())

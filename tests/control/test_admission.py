@@ -168,6 +168,26 @@ def test_a_line_that_would_not_clear_in_half_the_queue_timeout_is_refused_early(
     assert (a.inflight, a.queued) == (0, 0)
 
 
+def test_a_limit_that_falls_below_what_runs_lengthens_the_expected_wait_but_not_for_ever():
+    clock = Clock()
+    slots = [Slots(4, 4)]
+    a = Admission(8, 100, 60.0, clock=clock, slots=lambda: slots[0])
+    t = a.enter()
+    clock.t += 10.0  # requests hold their slots 10 s
+    a.release(t)
+    running = [a.enter() for _ in range(4)]
+    waiting = [a.enter() for _ in range(3)]
+    assert a.expected_wait() == pytest.approx(10 * 4 / 4)  # 4 end per 10 s: ~10 s
+    # Other controllers' streams now hold every slot (a burst that reached them all at once):
+    # ours still end, at 4 per 10 s, and once they have, the line starts as theirs end.
+    slots[0] = Slots(0, 4)
+    assert a.expected_wait() == pytest.approx(10 * (4 + 4) / 4)
+    a.check()  # ~20 s: within half the queue timeout, so it may wait
+    for t in running + waiting:
+        a.release(t)
+    assert (a.inflight, a.queued) == (0, 0)
+
+
 def test_the_decode_slots_lower_the_limit_and_new_slots_start_the_line():
     slots: list[Slots | None] = [Slots(2, 2)]
     a = Admission(8, 8, 10.0, clock=Clock(), slots=lambda: slots[0])

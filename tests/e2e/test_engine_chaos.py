@@ -19,7 +19,7 @@ import time
 from collections import Counter
 
 import openai
-from procs import get_json, wait_for
+from procs import get_json, remove_shm_left, shm_of, wait_for
 from test_openai import complete, prompt_ids, stream_complete
 from test_pool import get_text, start_worker, workers
 
@@ -138,6 +138,7 @@ def test_kill_9_and_restart_under_load(pd_server, pd_client, ref_client, model_d
     threads = [threading.Thread(target=load, args=(k,), daemon=True) for k in range(CLIENTS)]
     before = counters(base)
     t_start = time.monotonic()
+    killed_shm: set[str] = set()  # /dev/shm files the killed processes used
     try:
         spawn("decode")
         spawn("prefill")
@@ -156,6 +157,7 @@ def test_kill_9_and_restart_under_load(pd_server, pd_client, ref_client, model_d
                 raise TimeoutError(f"{e}\nthe pool: {pool_summary(pd_server)}") from None
             if role == "decode":
                 time.sleep(rng.uniform(0.0, 0.4))  # somewhere in its streams
+            killed_shm |= shm_of(procs[role].pid)
             procs[role].signal(signal.SIGKILL)  # the group: worker and engine processes
             procs[role].proc.wait(30)
             procs[role].stop()  # closes its log
@@ -190,6 +192,7 @@ def test_kill_9_and_restart_under_load(pd_server, pd_client, ref_client, model_d
             t.join(REQUEST_TIMEOUT + 30)
         for p in procs.values():
             p.stop()
+        print(f"\n/dev/shm files the killed processes left, removed: {remove_shm_left(killed_shm)}")
     after = counters(base)
     delta = {k: after[k] - before[k] for k in after}
     hung = sum(t.is_alive() for t in threads)
