@@ -171,6 +171,16 @@ def test_shared_memory_left_behind_is_ours_and_used_by_no_process(tmp_path):
     (proc / "7" / "fd" / "3").symlink_to(shm / "held_open")
     (proc / "8" / "fd").mkdir(parents=True)
     (proc / "8" / "maps").write_text(f"7f00-7f10 rw-s 00000000 00:1a 43 {shm}/psm_left (deleted)\n")
+    # A named semaphore, mapped under the temporary name glibc made it as: known by its inode.
+    (shm / "sem.mp-abc").write_bytes(b"x" * 32)
+    st = (shm / "sem.mp-abc").stat()
+    (proc / "9" / "fd").mkdir(parents=True)
+    (proc / "9" / "maps").write_text(
+        f"7f00-7f10 rw-s 00000000 {os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x} "
+        f"{st.st_ino}                    {shm}/sem.Xy12Ab (deleted)\n")
+    assert soak.shm_used([9], shm, proc) == {"sem.mp-abc"}
+    (shm / "sem.mp-abc").unlink()
+    (proc / "9" / "maps").write_text("")
     (proc / "self").mkdir()  # not a pid: skipped
     assert set(soak.shm_segments(shm)) == {"others", "in_use", "held_open", "psm_left"}
     assert soak.shm_used([7], shm, proc) == {"in_use", "held_open"}

@@ -399,21 +399,42 @@ def shm_segments(folder: Path = Path("/dev/shm")) -> dict[str, tuple[int, float]
 def shm_used(pids: list[int] | None = None, folder: Path = Path("/dev/shm"),
              proc: Path = Path("/proc")) -> set[str]:
     """Names of the files in `folder` that the processes `pids` (None: every process) map or
-    hold open."""
+    hold open. A mapping is known by its device and inode before its path: glibc makes a named
+    semaphore under a temporary name and maps it as that (`sem.XXXXXX (deleted)`), then links
+    it to its own (`sem.mp-...`, multiprocessing's)."""
     prefix = f"{folder}/"
     entries = ([proc / str(p) for p in pids] if pids is not None
                else [e for e in proc.iterdir() if e.name.isdigit()])
+    inodes = _inodes(folder)
     used: set[str] = set()
     for entry in entries:
         try:
-            paths = [line.split(maxsplit=5)[-1]
-                     for line in (entry / "maps").read_text().splitlines()]
-            paths += [os.readlink(fd) for fd in (entry / "fd").iterdir()]
+            maps = [line.split(maxsplit=5) for line in (entry / "maps").read_text().splitlines()]
+            paths = [os.readlink(fd) for fd in (entry / "fd").iterdir()]
         except OSError:
             continue  # gone, or not ours to read
+        for m in maps:
+            if len(m) == 6 and m[5].startswith(prefix):
+                name = inodes.get((m[3], int(m[4])))
+                paths.append(prefix + name if name else m[5])
         used |= {x.removesuffix(" (deleted)")[len(prefix):] for x in paths
                  if x.startswith(prefix)}
     return used
+
+
+def _inodes(folder: Path) -> dict[tuple[str, int], str]:
+    """(device as /proc/PID/maps writes it, inode) -> name, of the files in `folder`."""
+    out = {}
+    try:
+        for f in folder.iterdir():
+            try:
+                st = f.stat()
+            except OSError:
+                continue
+            out[(f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}", st.st_ino)] = f.name
+    except OSError:
+        pass
+    return out
 
 
 def shm_left(ours: set[str], t0_wall: float, folder: Path = Path("/dev/shm"),
