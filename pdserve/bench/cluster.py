@@ -260,6 +260,12 @@ class PdDeployment(Deployment):
         return self.base_url
 
 
+def engine_mode(worker_args: list[str]) -> list[str]:
+    """The workers' flags that vLLM's server in a comparison must be given too: its engine then
+    runs as theirs (compiled by default in both)."""
+    return [a for a in worker_args if a in ("--enforce-eager", "--no-enforce-eager")]
+
+
 class VllmDeployment(Deployment):
     """vLLM's own OpenAI server, one engine, the whole server kept to `core` as a pdserve worker
     keeps itself, and on CPU with the executor a worker's engine gets (the overhead baseline)."""
@@ -272,7 +278,7 @@ class VllmDeployment(Deployment):
 
     def command(self, port: int) -> list[str]:
         return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-                "--dtype", "float32", "--enforce-eager", "--host", "127.0.0.1", "--port",
+                "--dtype", "float32", "--host", "127.0.0.1", "--port",
                 str(port), "--disable-uvicorn-access-log", *self.executor(), *self.extra]
 
     def executor(self) -> list[str]:

@@ -103,7 +103,8 @@ def measure_round(args: argparse.Namespace, model: str, lengths: list[int], core
     (out / "raw").mkdir(parents=True, exist_ok=True)
     run: dict[str, Any] = {}
     if not args.skip_vllm:
-        with cluster.VllmDeployment(model, out, core=str(cores[1])) as dep:
+        with cluster.VllmDeployment(model, out, core=str(cores[1]),
+                                    extra=cluster.engine_mode(args.worker_args.split())) as dep:
             run["vllm"] = measure(dep, "vllm", lengths, args, model, out)
     cfg = cluster.Config("handoff-1P1D", prefill=1, decode=1, local_threshold=0)
     with cluster.PdDeployment(cfg, model, out, worker_args=args.worker_args.split(),

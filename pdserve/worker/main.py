@@ -78,8 +78,10 @@ def make_parser():
     g.add_argument("--heartbeat-interval", type=float, default=1.0)
     g.add_argument("--drain-timeout", type=float, default=600.0,
                    help="seconds a draining worker waits for in-flight requests")
+    # vLLM's engine flags with vLLM's defaults: a compiled model (CUDA graphs on a GPU), as a
+    # plain `vllm serve` runs it; --enforce-eager starts faster and decodes slower.
     parser = AsyncEngineArgs.add_cli_args(parser)
-    parser.set_defaults(enforce_eager=True, model=None)
+    parser.set_defaults(model=None)
     return parser
 
 

@@ -76,7 +76,7 @@ def reference(model_dir, logs):
 
     port = free_port()
     p = Proc("reference", [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-                           "--model", model_dir, "--dtype", "float32", "--enforce-eager",
+                           "--model", model_dir, "--dtype", "float32",
                            "--host", "127.0.0.1", "--port", str(port),
                            "--distributed-executor-backend", IN_ENGINE_CORE_EXECUTOR,
                            "--enable-prompt-tokens-details"], logs,
