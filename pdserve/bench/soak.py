@@ -24,6 +24,7 @@ import random
 import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -382,15 +383,20 @@ def increase(before: dict[str, float], after: dict[str, float]) -> dict[str, flo
 
 def shm_segments(folder: Path = Path("/dev/shm")) -> dict[str, tuple[int, float]]:
     """Shared-memory files (vLLM's engines talk through some): name -> (bytes, mtime)."""
+    return {name: (st.st_size, st.st_mtime) for name, st in _files(folder).items()}
+
+
+def _files(folder: Path) -> dict[str, os.stat_result]:
+    """The regular files in `folder` (none if it cannot be read), by name."""
     out = {}
     try:
         for f in folder.iterdir():
             try:
                 st = f.stat()
             except OSError:
-                continue
-            if f.is_file():
-                out[f.name] = (st.st_size, st.st_mtime)
+                continue  # gone meanwhile
+            if stat.S_ISREG(st.st_mode):
+                out[f.name] = st
     except OSError:
         pass
     return out
@@ -424,17 +430,8 @@ def shm_used(pids: list[int] | None = None, folder: Path = Path("/dev/shm"),
 
 def _inodes(folder: Path) -> dict[tuple[str, int], str]:
     """(device as /proc/PID/maps writes it, inode) -> name, of the files in `folder`."""
-    out = {}
-    try:
-        for f in folder.iterdir():
-            try:
-                st = f.stat()
-            except OSError:
-                continue
-            out[(f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}", st.st_ino)] = f.name
-    except OSError:
-        pass
-    return out
+    return {(f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}", st.st_ino): name
+            for name, st in _files(folder).items()}
 
 
 def shm_left(ours: set[str], t0_wall: float, folder: Path = Path("/dev/shm"),
