@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TextIO
 
 from pdserve import preflight
+from pdserve.leftovers import Leftovers
 from pdserve.models import BUILTIN_MODEL_NAME, cache_dir, default_model_dir, resolve_model
 from pdserve.supervisor import Child, ChildExited, Supervisor, stop_children, supervise
 
@@ -234,7 +235,7 @@ def serve(args) -> int:
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         return Child(name, proc, logs / f"{name}.log")
 
-    sup = Supervisor(spawn)
+    sup = Supervisor(spawn, leftovers=Leftovers())
     roles = ["prefill"] * args.prefill + ["decode"] * args.decode
     cores = assign_cores(len(roles), sorted(os.sched_getaffinity(0)))
     ctl_cores = controller_cores(roles, cores, args.controller_arg)
@@ -288,6 +289,7 @@ def serve(args) -> int:
             what = "Ctrl-C" if signals[0] == signal.SIGINT else signal.Signals(signals[0]).name
             progress.say(f"stopping ({what}): draining the workers; Ctrl-C again stops at once")
         stop_children(sup.children, drain_timeout=args.drain_timeout)
+        sup.stopped()
         shutil.rmtree(tmp, ignore_errors=True)
         for s, h in old.items():
             signal.signal(s, h)

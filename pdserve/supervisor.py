@@ -3,7 +3,8 @@ group, restarted with a backoff when it exits, stopped as a whole.
 
 A worker that exits is restarted after a backoff (1 s, doubling up to 60 s; back to 1 s after it
 stayed up a minute), except one that every controller refused (exit code 3: it would be refused
-again); a child started with restart=False (the controller) exiting raises ChildExited.
+again); a child started with restart=False (the controller) exiting raises ChildExited. What a
+child's processes leave in /dev/shm when they are killed is removed (pdserve/leftovers.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.leftovers import Leftovers
 from pdserve.worker.main import DRAIN_SIGNAL, EXIT_REFUSED
 
 logger = logging.getLogger("pdserve.serve")
@@ -89,12 +91,15 @@ class _Supervised:
 
 class Supervisor:
     """Starts children and restarts those that exit, after a backoff. `spawn` starts one child
-    (in its own process group) and `clock` tells the time: both are seams for tests."""
+    (in its own process group) and `clock` tells the time: both are seams for tests, as is
+    `leftovers` (None: /dev/shm is not looked at)."""
 
     def __init__(self, spawn: Callable[[str, list[str]], Child],
                  clock: Callable[[], float] = time.monotonic,
-                 backoff: Callable[[], Backoff] = Backoff):
+                 backoff: Callable[[], Backoff] = Backoff,
+                 leftovers: Leftovers | None = None):
         self._spawn, self._clock, self._backoff = spawn, clock, backoff
+        self.leftovers = leftovers
         self._all: list[_Supervised] = []
 
     @property
@@ -116,9 +121,29 @@ class Supervisor:
         for s in list(self._all):
             if (child := s.child) is not None and (code := child.proc.poll()) is not None:
                 self._exited(s, child, code, now)
+            elif child is not None and self.leftovers is not None:
+                self.leftovers.note(s.name, child.proc.pid, now)
             elif s.due is not None and now >= s.due:
                 s.restarts += 1
                 self._run(s)
+        if self.leftovers is not None:
+            self.leftovers.sweep(now)
+
+    def stopped(self, timeout: float = 15.0) -> None:
+        """After stop_children: remove what the children's processes left in /dev/shm, waiting
+        up to `timeout` s for those still ending (an engine core stops after its worker)."""
+        if self.leftovers is None:
+            return
+        now = self._clock()
+        for s in self._all:
+            if s.child is not None:
+                self.leftovers.ended(s.child.proc.pid, now)
+        deadline = time.monotonic() + timeout
+        while True:
+            self.leftovers.sweep(self._clock())
+            if not self.leftovers.pending() or time.monotonic() >= deadline:
+                return
+            time.sleep(0.2)
 
     def _run(self, s: _Supervised) -> Child:
         child = self._spawn(s.name, s.cmd)
@@ -128,6 +153,8 @@ class Supervisor:
     def _exited(self, s: _Supervised, child: Child, code: int, now: float) -> None:
         child.signal_group(signal.SIGKILL)  # whatever it left running in its group
         s.child = None
+        if self.leftovers is not None:
+            self.leftovers.ended(child.proc.pid, now)
         if not s.restart:
             raise ChildExited(f"{s.name} exited with code {code}", child)
         if code == EXIT_REFUSED:

@@ -12,7 +12,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from pdserve.bench.soak import shm_left, shm_used, tree
+from pdserve.bench.soak import shm_left
+from pdserve.procfs import shm_used, tree
 from pdserve.net import free_port, free_ports  # noqa: F401  (tests take them from here)
 
 SHM = Path("/dev/shm")

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from pdserve import procfs
 from pdserve.bench import soak
 
 
@@ -120,7 +121,7 @@ def test_own_process_is_sampled_from_proc():
         os.close(r)
         os.close(w)
     assert soak.usage(2**22 + 7) is None  # beyond pid_max: never a process
-    assert soak.alive(os.getpid()) and not soak.alive(2**22 + 7)
+    assert procfs.alive(os.getpid()) and not procfs.alive(2**22 + 7)
 
 
 def test_children_are_found_through_parentage_and_named():
@@ -131,7 +132,7 @@ def test_children_are_found_through_parentage_and_named():
             if soak.name_of(child.pid) != "?":
                 break
             time.sleep(0.01)
-        assert child.pid in soak.tree(os.getpid())
+        assert child.pid in procfs.tree(os.getpid())
         names = soak.pool_processes([os.getpid()])
         assert names[os.getpid()].startswith(("python", "pytest"))
         assert names[child.pid] == f"{names[os.getpid()]}/{os.path.basename(sys.executable)}"
@@ -140,7 +141,7 @@ def test_children_are_found_through_parentage_and_named():
     finally:
         child.kill()
         child.wait()
-    assert child.pid not in soak.tree(os.getpid())
+    assert child.pid not in procfs.tree(os.getpid())
 
 
 def test_pdserve_commands_are_named_by_role(tmp_path):
@@ -178,19 +179,19 @@ def test_shared_memory_left_behind_is_ours_and_used_by_no_process(tmp_path):
     (proc / "9" / "maps").write_text(
         f"7f00-7f10 rw-s 00000000 {os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x} "
         f"{st.st_ino}                    {shm}/sem.Xy12Ab (deleted)\n")
-    assert soak.shm_used([9], shm, proc) == {"sem.mp-abc"}
+    assert procfs.shm_used([9], shm, proc) == {"sem.mp-abc"}
     (shm / "sem.mp-abc").unlink()
     (proc / "9" / "maps").write_text("")
     (proc / "self").mkdir()  # not a pid: skipped
-    assert set(soak.shm_segments(shm)) == {"others", "in_use", "held_open", "psm_left"}
-    assert soak.shm_used([7], shm, proc) == {"in_use", "held_open"}
-    assert soak.shm_used([8, 99], shm, proc) == {"psm_left"}  # 99: gone
-    assert soak.shm_used(None, shm, proc) == {"in_use", "held_open", "psm_left"}
+    assert set(procfs.shm_segments(shm)) == {"others", "in_use", "held_open", "psm_left"}
+    assert procfs.shm_used([7], shm, proc) == {"in_use", "held_open"}
+    assert procfs.shm_used([8, 99], shm, proc) == {"psm_left"}  # 99: gone
+    assert procfs.shm_used(None, shm, proc) == {"in_use", "held_open", "psm_left"}
     (proc / "8" / "maps").write_text("")  # the engine that used it died
     ours = {"in_use", "psm_left", "gone_already"}  # "others": never seen used by the pool
     left = soak.shm_left(ours, (shm / "psm_left").stat().st_mtime - 5, shm, proc)
     assert left == {"psm_left": {"mib": 2.0, "t": 5.0}}
-    assert soak.shm_segments(tmp_path / "none") == {}
+    assert procfs.shm_segments(tmp_path / "none") == {}
 
 
 def test_process_rows_keep_first_and_last_sample():

@@ -131,7 +131,7 @@ def test_systemds_stop_of_every_process_lets_a_stream_finish(tmp_path) -> None:
     """systemd's default stop (KillMode=control-group) sends SIGTERM to serve, the controller and
     every worker at once. serve's own stop must not be a worker's second signal (stop at once:
     with one decode worker the stream would have nowhere to go)."""
-    from pdserve.bench.soak import tree
+    from pdserve.procfs import tree
 
     port, wport = free_port(), free_port()
     driver = FAKE_WORKERS.replace('"--model", model]', '"--model", model, "--decode-delay", "0.02"]')

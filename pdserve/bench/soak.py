@@ -24,7 +24,6 @@ import random
 import shlex
 import shutil
 import signal
-import stat
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,7 @@ from pdserve.bench import cluster, report, scrape
 from pdserve.bench.metrics import percentiles
 from pdserve.bench.procs import free_port, stop_on_sigterm
 from pdserve.models import resolve_model
+from pdserve.procfs import alive, children, shm_segments, shm_used, tree, tree_of
 
 logger = logging.getLogger("pdserve.bench.soak")
 
@@ -268,34 +268,7 @@ class Tally:
         return out
 
 
-# ---- processes, from /proc -------------------------------------------------------------------
-
-
-def children(pid: int, proc: Path = Path("/proc")) -> list[int]:
-    out: list[int] = []
-    try:
-        for task in (proc / str(pid) / "task").iterdir():
-            out += [int(x) for x in (task / "children").read_text().split()]
-    except OSError:
-        pass  # gone
-    return out
-
-
-def tree_of(roots: list[int], proc: Path = Path("/proc")) -> list[int]:
-    return [p for r in roots for p in tree(r, proc)]
-
-
-def tree(pid: int, proc: Path = Path("/proc")) -> list[int]:
-    """`pid` and its descendants (an engine keeps to a process group of its own, so process
-    groups do not find it; parentage does)."""
-    out: list[int] = []
-    todo = [pid]
-    while todo and len(out) < 1000:
-        p = todo.pop(0)
-        if p not in out:
-            out.append(p)
-            todo += children(p, proc)
-    return out
+# ---- processes, from /proc (pdserve/procfs.py reads them) ---------------------------------------
 
 
 def usage(pid: int, proc: Path = Path("/proc")) -> tuple[int, int] | None:
@@ -381,59 +354,6 @@ def increase(before: dict[str, float], after: dict[str, float]) -> dict[str, flo
             if v - before.get(k, 0.0)}
 
 
-def shm_segments(folder: Path = Path("/dev/shm")) -> dict[str, tuple[int, float]]:
-    """Shared-memory files (vLLM's engines talk through some): name -> (bytes, mtime)."""
-    return {name: (st.st_size, st.st_mtime) for name, st in _files(folder).items()}
-
-
-def _files(folder: Path) -> dict[str, os.stat_result]:
-    """The regular files in `folder` (none if it cannot be read), by name."""
-    out = {}
-    try:
-        for f in folder.iterdir():
-            try:
-                st = f.stat()
-            except OSError:
-                continue  # gone meanwhile
-            if stat.S_ISREG(st.st_mode):
-                out[f.name] = st
-    except OSError:
-        pass
-    return out
-
-
-def shm_used(pids: list[int] | None = None, folder: Path = Path("/dev/shm"),
-             proc: Path = Path("/proc")) -> set[str]:
-    """Names of the files in `folder` that the processes `pids` (None: every process) map or
-    hold open. A mapping is known by its device and inode before its path: glibc makes a named
-    semaphore under a temporary name and maps it as that (`sem.XXXXXX (deleted)`), then links
-    it to its own (`sem.mp-...`, multiprocessing's)."""
-    prefix = f"{folder}/"
-    entries = ([proc / str(p) for p in pids] if pids is not None
-               else [e for e in proc.iterdir() if e.name.isdigit()])
-    inodes = _inodes(folder)
-    used: set[str] = set()
-    for entry in entries:
-        try:
-            maps = [line.split(maxsplit=5) for line in (entry / "maps").read_text().splitlines()]
-            paths = [os.readlink(fd) for fd in (entry / "fd").iterdir()]
-        except OSError:
-            continue  # gone, or not ours to read
-        for m in maps:
-            if len(m) == 6 and m[5].startswith(prefix):
-                name = inodes.get((m[3], int(m[4])))
-                paths.append(prefix + name if name else m[5])
-        used |= {x.removesuffix(" (deleted)")[len(prefix):] for x in paths
-                 if x.startswith(prefix)}
-    return used
-
-
-def _inodes(folder: Path) -> dict[tuple[str, int], str]:
-    """(device as /proc/PID/maps writes it, inode) -> name, of the files in `folder`."""
-    return {(f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}", st.st_ino): name
-            for name, st in _files(folder).items()}
-
-
 def shm_left(ours: set[str], t0_wall: float, folder: Path = Path("/dev/shm"),
              proc: Path = Path("/proc")) -> dict[str, dict[str, float]]:
     """Those of `ours` (files the pool's processes used) that still exist and that no process
@@ -444,15 +364,6 @@ def shm_left(ours: set[str], t0_wall: float, folder: Path = Path("/dev/shm"),
     left = candidates - shm_used(None, folder, proc) if candidates else set()
     return {n: {"mib": round(now[n][0] / 2**20, 1), "t": round(now[n][1] - t0_wall, 1)}
             for n in sorted(left)}
-
-
-def alive(pid: int, proc: Path = Path("/proc")) -> bool:
-    """Running (a zombie, exited but not yet reaped, is not)."""
-    try:
-        text = (proc / str(pid) / "stat").read_text()
-    except OSError:
-        return False
-    return text[text.rindex(")") + 2:].split()[0] not in ("Z", "X")
 
 
 # ---- the workload ----------------------------------------------------------------------------

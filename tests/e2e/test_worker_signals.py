@@ -17,7 +17,8 @@ import threading
 import time
 
 import pytest
-from procs import engine_core_pid, get_json, gone, survivors, wait_for
+from procs import (engine_core_pid, get_json, gone, remove_shm_left, shm_of, survivors,
+                   wait_for)
 from test_openai import complete, prompt_ids
 from test_pool import start_worker, workers
 
@@ -32,14 +33,9 @@ STREAMS, MAX_TOKENS = 6, 200
 def engine_shm():
     """Call with a worker's pid before its engine core is killed with SIGKILL: the shared memory
     the engine cannot free then is removed when the test ends (once no process uses it)."""
-    from pathlib import Path
-
-    from pdserve.bench.soak import shm_left, shm_used, tree
-
     ours: set[str] = set()
-    yield lambda pid: ours.update(shm_used(tree(pid)))
-    for name in shm_left(ours, 0.0):
-        Path("/dev/shm", name).unlink(missing_ok=True)
+    yield lambda pid: ours.update(shm_of(pid))
+    remove_shm_left(ours)
 
 
 def ready(pd_server, worker_id: str) -> bool:
@@ -121,7 +117,7 @@ def test_systemd_stop_of_every_process_drains_a_decode_worker(busy_decode):
     unit: the worker and its engine core too; under `pdserve serve` the worker gets serve's
     drain signal as well, a moment later. The engine core drops its own, the worker drains
     once, and the streams finish whole."""
-    from pdserve.bench.soak import tree
+    from pdserve.procfs import tree
 
     w, s, refs = busy_decode("decode-0-systemd", 13_500)
     core = engine_core_pid(w.proc.pid)
@@ -146,7 +142,7 @@ def test_a_stop_while_the_engine_starts_leaves_no_engine_behind(sig, pd_server, 
     starting: the worker stops the engine and exits once its processes are gone. (Left to the
     signals' defaults, the worker died at once and its engine core went on starting, orphaned,
     after serve had said "stopped".)"""
-    from pdserve.bench.soak import tree
+    from pdserve.procfs import tree
 
     w = start_worker(f"decode-starting-{sig.name.lower()}", "decode", pd_server, model_dir,
                      logs)

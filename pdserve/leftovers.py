@@ -1,0 +1,93 @@
+"""What a killed child leaves in /dev/shm, found and removed.
+
+An engine core makes a named semaphore (`sem.mp-*`). It unlinks it when it stops, and if it is
+killed, multiprocessing's resource tracker in its worker's process group does. When both die by
+SIGKILL (a second Ctrl-C to `pdserve serve`, a stop that ran out of time, kill -9 of a worker's
+group and of its engine core's), the file stays until the machine restarts. So the supervisor
+notes the files each child's processes use while they run, and once the child has exited and
+none of those processes is left, removes those of its files that no process uses any more.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pdserve.procfs import PROC, SHM, alive, shm_used, tree
+
+logger = logging.getLogger("pdserve.serve")
+
+
+@dataclass
+class _Noted:
+    name: str
+    files: set[str] = field(default_factory=set)
+    pids: set[int] = field(default_factory=set)
+    at: float = float("-inf")  # when last looked at
+    until: float = 0.0  # after its exit: when to stop waiting for its processes to end
+
+
+class Leftovers:
+    """Per child (by its pid): the /dev/shm files its process tree was seen using, refreshed at
+    most every `every` seconds; after its exit, `sweep` removes them once nothing uses them, or
+    gives up after `patience` seconds of its processes still running."""
+
+    def __init__(self, every: float = 5.0, patience: float = 120.0, folder: Path = SHM,
+                 proc: Path = PROC):
+        self.every, self.patience, self.folder, self.proc = every, patience, folder, proc
+        self._running: dict[int, _Noted] = {}
+        self._ended: list[_Noted] = []
+
+    def note(self, name: str, pid: int, now: float) -> None:
+        """Look at what `pid`'s processes use, unless looked at less than `every` s ago."""
+        n = self._running.setdefault(pid, _Noted(name))
+        if now - n.at >= self.every:
+            pids = tree(pid, self.proc)
+            # Only the folder's own files: the workers' core claims live in a folder of theirs
+            # there and stay by design (pdserve/worker/cores.py).
+            n.files |= {f for f in shm_used(pids, self.folder, self.proc) if "/" not in f}
+            n.pids |= set(pids)
+            n.at = now
+
+    def ended(self, pid: int, now: float) -> None:
+        if (n := self._running.pop(pid, None)) is not None and n.files:
+            n.until = now + self.patience
+            self._ended.append(n)
+
+    def pending(self) -> bool:
+        return bool(self._ended)
+
+    def sweep(self, now: float) -> list[str]:
+        """Remove the files of ended children whose processes are all gone and that no process
+        uses; returns their names."""
+        removed: list[str] = []
+        for n in list(self._ended):
+            if any(alive(p, self.proc) for p in n.pids):
+                if now >= n.until:
+                    self._ended.remove(n)
+                    logger.warning("%s's processes %s still run %g s after it exited; not "
+                                   "removing its /dev/shm files %s", n.name,
+                                   sorted(p for p in n.pids if alive(p, self.proc)),
+                                   self.patience, sorted(n.files))
+                continue
+            self._ended.remove(n)
+            gone = self._remove(n.files - shm_used(None, self.folder, self.proc))
+            if gone:
+                logger.warning("removed what %s's processes left in %s: %s", n.name,
+                               self.folder, ", ".join(gone))
+            removed += gone
+        return removed
+
+    def _remove(self, names: set[str]) -> list[str]:
+        out = []
+        for name in sorted(names):
+            try:
+                (self.folder / name).unlink()
+            except FileNotFoundError:
+                continue  # its tracker did unlink it
+            except OSError as e:
+                logger.warning("could not remove %s: %s", self.folder / name, e)
+                continue
+            out.append(name)
+        return out

@@ -1,0 +1,103 @@
+"""Processes and the /dev/shm files they use, read from /proc (`proc` and `folder` are seams for
+tests). vLLM's engines talk through shared memory and lock with multiprocessing's named
+semaphores (`sem.mp-*`), so what a stopped engine left there is found by asking which files no
+process uses any more."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+PROC, SHM = Path("/proc"), Path("/dev/shm")
+
+
+def children(pid: int, proc: Path = PROC) -> list[int]:
+    out: list[int] = []
+    try:
+        for task in (proc / str(pid) / "task").iterdir():
+            out += [int(x) for x in (task / "children").read_text().split()]
+    except OSError:
+        pass  # gone
+    return out
+
+
+def tree_of(roots: list[int], proc: Path = PROC) -> list[int]:
+    return [p for r in roots for p in tree(r, proc)]
+
+
+def tree(pid: int, proc: Path = PROC) -> list[int]:
+    """`pid` and its descendants (an engine keeps to a process group of its own, so process
+    groups do not find it; parentage does)."""
+    out: list[int] = []
+    todo = [pid]
+    while todo and len(out) < 1000:
+        p = todo.pop(0)
+        if p not in out:
+            out.append(p)
+            todo += children(p, proc)
+    return out
+
+
+
+def shm_segments(folder: Path = SHM) -> dict[str, tuple[int, float]]:
+    """Shared-memory files (vLLM's engines talk through some): name -> (bytes, mtime)."""
+    return {name: (st.st_size, st.st_mtime) for name, st in _files(folder).items()}
+
+
+def _files(folder: Path) -> dict[str, os.stat_result]:
+    """The regular files in `folder` (none if it cannot be read), by name."""
+    out = {}
+    try:
+        for f in folder.iterdir():
+            try:
+                st = f.stat()
+            except OSError:
+                continue  # gone meanwhile
+            if stat.S_ISREG(st.st_mode):
+                out[f.name] = st
+    except OSError:
+        pass
+    return out
+
+
+def shm_used(pids: list[int] | None = None, folder: Path = SHM,
+             proc: Path = PROC) -> set[str]:
+    """Names of the files in `folder` that the processes `pids` (None: every process) map or
+    hold open. A mapping is known by its device and inode before its path: glibc makes a named
+    semaphore under a temporary name and maps it as that (`sem.XXXXXX (deleted)`), then links
+    it to its own (`sem.mp-...`, multiprocessing's)."""
+    prefix = f"{folder}/"
+    entries = ([proc / str(p) for p in pids] if pids is not None
+               else [e for e in proc.iterdir() if e.name.isdigit()])
+    inodes = _inodes(folder)
+    used: set[str] = set()
+    for entry in entries:
+        try:
+            maps = [line.split(maxsplit=5) for line in (entry / "maps").read_text().splitlines()]
+            paths = [os.readlink(fd) for fd in (entry / "fd").iterdir()]
+        except OSError:
+            continue  # gone, or not ours to read
+        for m in maps:
+            if len(m) == 6 and m[5].startswith(prefix):
+                name = inodes.get((m[3], int(m[4])))
+                paths.append(prefix + name if name else m[5])
+        used |= {x.removesuffix(" (deleted)")[len(prefix):] for x in paths
+                 if x.startswith(prefix)}
+    return used
+
+
+def _inodes(folder: Path) -> dict[tuple[str, int], str]:
+    """(device as /proc/PID/maps writes it, inode) -> name, of the files in `folder`."""
+    return {(f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}", st.st_ino): name
+            for name, st in _files(folder).items()}
+
+
+
+def alive(pid: int, proc: Path = PROC) -> bool:
+    """Running (a zombie, exited but not yet reaped, is not)."""
+    try:
+        text = (proc / str(pid) / "stat").read_text()
+    except OSError:
+        return False
+    return text[text.rindex(")") + 2:].split()[0] not in ("Z", "X")

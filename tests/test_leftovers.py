@@ -1,0 +1,165 @@
+"""What a killed child's processes leave in /dev/shm is removed once nothing uses it: from a fake
+/proc first, then a real process group killed with SIGKILL under the supervisor."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pdserve.leftovers import Leftovers
+from pdserve.procfs import SHM
+from pdserve.supervisor import Backoff, Child, Supervisor, stop_children
+
+
+class FakeProc:
+    """/proc and /dev/shm in a folder: processes that map files and have children."""
+
+    def __init__(self, root: Path):
+        self.proc, self.shm = root / "proc", root / "shm"
+        self.proc.mkdir()
+        self.shm.mkdir()
+
+    def file(self, name: str) -> None:
+        (self.shm / name).write_bytes(b"x" * 32)
+
+    def process(self, pid: int, maps: list[str], children: list[int] = ()) -> None:
+        p = self.proc / str(pid)
+        (p / "task" / str(pid)).mkdir(parents=True, exist_ok=True)
+        (p / "fd").mkdir(exist_ok=True)
+        (p / "task" / str(pid) / "children").write_text(" ".join(map(str, children)))
+        (p / "stat").write_text(f"{pid} (python) S 1 {pid}\n")
+        (p / "maps").write_text("".join(f"7f00-7f10 rw-s 00000000 00:1a {i + 40} {self.shm}/{m}\n"
+                                        for i, m in enumerate(maps)))
+
+    def exit(self, pid: int) -> None:
+        """A zombie: it maps nothing any more."""
+        (self.proc / str(pid) / "stat").write_text(f"{pid} (python) Z 1 {pid}\n")
+        (self.proc / str(pid) / "maps").write_text("")
+
+    def left(self) -> set[str]:
+        return {f.name for f in self.shm.iterdir()}
+
+
+@pytest.fixture
+def fake(tmp_path) -> FakeProc:
+    return FakeProc(tmp_path)
+
+
+def test_a_killed_childs_files_go_once_its_processes_are_gone_and_nothing_uses_them(fake, caplog):
+    for name in ("sem.mp-engine", "psm_queue", "shared", "not_ours"):
+        fake.file(name)
+    (fake.shm / "pdserve-cores").mkdir()
+    fake.file("pdserve-cores/core1.0")  # a core claim: kept for good
+    fake.process(10, ["psm_queue", "shared", "pdserve-cores/core1.0"], children=[11])  # worker
+    fake.process(11, ["sem.mp-engine"])  # its engine core
+    fake.process(20, ["shared"])  # another process, using one of the same files
+    left = Leftovers(every=0, folder=fake.shm, proc=fake.proc)
+    left.note("decode-1", 10, now=0.0)
+    fake.exit(10)
+    left.ended(10, now=1.0)
+    assert left.sweep(now=1.5) == [] and left.pending()  # the engine core is still ending
+    assert fake.left() == {"sem.mp-engine", "psm_queue", "shared", "not_ours", "pdserve-cores"}
+    fake.exit(11)
+    (fake.shm / "psm_queue").unlink()  # its resource tracker got to this one
+    with caplog.at_level(logging.WARNING, logger="pdserve.serve"):
+        assert left.sweep(now=2.0) == ["sem.mp-engine"]
+    assert not left.pending()
+    assert fake.left() == {"shared", "not_ours", "pdserve-cores"}
+    assert (fake.shm / "pdserve-cores" / "core1.0").exists()
+    assert f"removed what decode-1's processes left in {fake.shm}: sem.mp-engine" in caplog.text
+
+
+def test_files_are_noted_again_only_after_a_while(fake):
+    fake.file("early")
+    fake.process(10, ["early"])
+    left = Leftovers(every=5, folder=fake.shm, proc=fake.proc)
+    left.note("prefill-1", 10, now=0.0)
+    fake.file("late")
+    fake.process(12, ["early", "late"])
+    (fake.proc / "10" / "task" / "10" / "children").write_text("12")
+    left.note("prefill-1", 10, now=4.0)  # too soon: "late" is not seen
+    fake.exit(10)
+    fake.exit(12)
+    left.ended(10, now=4.5)
+    assert left.sweep(now=4.5) == ["early"]
+    assert fake.left() == {"late"}
+
+    left.note("prefill-2", 30, now=10.0)  # a process already gone: nothing to note or remove
+    left.ended(30, now=10.0)
+    assert not left.pending()
+
+
+def test_a_process_that_outlives_its_patience_keeps_its_files(fake, caplog):
+    fake.file("sem.mp-engine")
+    fake.process(10, [], children=[11])
+    fake.process(11, ["sem.mp-engine"])
+    left = Leftovers(every=0, patience=60, folder=fake.shm, proc=fake.proc)
+    left.note("decode-1", 10, now=0.0)
+    fake.exit(10)
+    left.ended(10, now=0.0)
+    fake.process(11, [])  # still running, no longer mapping it
+    assert left.sweep(now=59.0) == [] and left.pending()
+    with caplog.at_level(logging.WARNING, logger="pdserve.serve"):
+        assert left.sweep(now=60.0) == []
+    assert not left.pending() and fake.left() == {"sem.mp-engine"}
+    assert "decode-1's processes [11] still run 60 s after it exited" in caplog.text
+
+
+# A worker's stand-in: a named semaphore as an engine core makes one (multiprocessing's spawn
+# context keeps it named, registered with a resource tracker in this group), its name printed.
+SEMAPHORE_HOLDER = [sys.executable, "-c",
+                    "import multiprocessing, time\n"
+                    "lock = multiprocessing.get_context('spawn').Lock()\n"
+                    "print(lock._semlock.name, flush=True); time.sleep(300)\n"]
+
+
+def test_the_supervisor_removes_the_semaphore_a_group_killed_with_sigkill_left(caplog):
+    children: list[Child] = []
+
+    def spawn(name: str, cmd: list[str]) -> Child:
+        children.append(Child(name, subprocess.Popen(cmd, start_new_session=True,
+                                                     stdout=subprocess.PIPE, text=True)))
+        return children[-1]
+
+    sup = Supervisor(spawn, backoff=lambda: Backoff(first=300),
+                     leftovers=Leftovers(every=0))
+    files: list[str] = []
+    killed, stopped = sup.start("decode-1", SEMAPHORE_HOLDER), sup.start("decode-2",
+                                                                          SEMAPHORE_HOLDER)
+    try:
+        sems = [c.proc.stdout.readline().strip().lstrip("/") for c in (killed, stopped)]
+        files += [f"sem.{s}" for s in sems]
+        assert all((SHM / f).exists() for f in files)
+        sup.check()  # notes what each uses
+        os.killpg(killed.proc.pid, signal.SIGKILL)  # kill -9 of the whole group: the tracker too
+        killed.proc.wait(30)
+        assert (SHM / files[0]).exists()  # nothing else would ever remove it
+        deadline = time.monotonic() + 30
+        with caplog.at_level(logging.WARNING, logger="pdserve.serve"):
+            while (SHM / files[0]).exists() and time.monotonic() < deadline:
+                sup.check()
+                time.sleep(0.05)
+        assert not (SHM / files[0]).exists()
+        assert f"removed what decode-1's processes left in {SHM}: {files[0]}" in caplog.text
+        assert (SHM / files[1]).exists()  # decode-2 still runs
+
+        # Stopped for good with SIGKILL (what a second Ctrl-C does): swept as serve ends.
+        stopped.signal_group(signal.SIGKILL)
+        stopped.proc.wait(30)
+        stop_children(sup.children, drain_timeout=1)
+        sup.stopped(timeout=30)
+        assert not (SHM / files[1]).exists()
+    finally:
+        for c in children:
+            c.signal_group(signal.SIGKILL)
+            c.proc.wait(30)
+            c.proc.stdout.close()
+        for f in files:
+            (SHM / f).unlink(missing_ok=True)
