@@ -442,3 +442,39 @@ def test_handoff_report_compares_each_round_with_its_own_vllm_run():
     for part in (one, two):
         cells = [c.strip() for c in part.split("\n| 300 |")[1].split("\n")[0].split("|")]
         assert cells[3] == "3.00" and cells[5] == "1.10"  # gap in steps, ITL x vLLM's
+
+
+def test_handoff_systems_take_turns_with_the_same_prompts(tmp_path, monkeypatch):
+    """ABBA turns of --interleave requests, the same prompts for both; each turn's ITL ratio is
+    against the other system's turn beside it, so a machine slowing down half-way (both see it)
+    leaves the ratios alone."""
+    calls: list[tuple[str, list[int]]] = []
+    step = {"vllm": 0.002, "pd": 0.0022}
+
+    def fake_client(run, log, seed=0):
+        ids = [json.loads(line)["hash_ids"][0] for line in run.trace.read_text().splitlines()]
+        calls.append((run.base_url.removeprefix("http://"), ids))
+        n, s = len(ids), step[calls[-1][0]] * (2 if len(calls) > 6 else 1)
+        return {"ttfts": [0.01] * n, "itls": [[0.008] + [s] * 9] * n, "input_lens": [300] * n,
+                "output_lens": [10] * n, "start_times": [0.0] * n, "errors": [""] * n}
+
+    class Dep:
+        def __init__(self, url):
+            self.base_url = url
+
+    monkeypatch.setattr(handoff, "run_client", fake_client)
+    monkeypatch.setattr(procs, "wait_quiet", lambda *a: 0.0)
+    monkeypatch.setattr(scrape, "scrape", lambda url: {})
+    args = handoff.make_parser().parse_args(["--prompts", "10", "--interleave", "3"])
+    (tmp_path / "raw").mkdir()
+    res = handoff.measure({"vllm": Dep("http://vllm"), "pdserve": Dep("http://pd")}, [300],
+                          args, "m", tmp_path)
+    assert [url for url, _ in calls] == ["vllm", "pd"] + ["vllm", "pd", "pd", "vllm"] * 2
+    turns = [ids for _, ids in calls[2:]]  # after a warm-up each
+    assert all(turns[k] == turns[k + 1] for k in range(0, 8, 2))
+    assert [len(t) for t in turns[::2]] == [3, 3, 3, 1]
+    assert len({i for t in turns for i in t}) == 10
+    pd = res["pdserve"][300]
+    assert pd["ok"] == 10 and res["vllm"][300]["ok"] == 10
+    assert pd["itl_x_vllm_per_turn"] == [1.1] * 4
+    assert handoff.per_turn(pd) == "1.10 (1.10-1.10)"

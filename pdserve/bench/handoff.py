@@ -1,21 +1,27 @@
 """`pdserve bench handoff`: P/D's one pause, counted in decode steps of the same engine.
 
 For each prompt length, sequential streaming requests (one in flight, greedy, a fixed output
-length) go first to vLLM's own OpenAI server serving one engine on the decode worker's core (its
-ITL is that engine's decode step as a client sees it), then to pdserve 1P1D on the same cores
+length) go to vLLM's own OpenAI server serving one engine on the decode worker's core (its ITL
+is that engine's decode step as a client sees it) and to pdserve 1P1D on the same cores
 (prefill worker on one, decode worker on the other, every prompt disaggregated). For pdserve the
 first gap of each stream (first token, from the prefill, to the second, the decode worker's
 first) is the handoff; the gaps after it are its decode path. The controller's handoff phases
-are scraped around each length. With --rounds N the two alternate N times, each round with a
-table of its own: this machine's speed drifts by tens of percent within minutes, so a ratio
-means something only between runs close in time.
+are scraped around each length.
+
+This machine's speed drifts by tens of percent within minutes, so the two run side by side and
+take turns (`--interleave N`: N requests to one, N to the other, in the order ABBA...): both
+see the same minutes, and each turn's ratio is taken against the other's turn beside it. With
+`--interleave 0` they run one after the other instead, and `--rounds N` alternates them N times,
+each round with a table of its own.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -40,8 +46,11 @@ def make_parser() -> argparse.ArgumentParser:
                    "gets the decode core)")
     p.add_argument("--worker-args", default="", help="extra `pdserve worker` arguments")
     p.add_argument("--skip-vllm", action="store_true", help="measure pdserve only")
-    p.add_argument("--rounds", type=int, default=2,
-                   help="vLLM's server then pdserve, this many times (a table each)")
+    p.add_argument("--interleave", type=int, default=5,
+                   help="requests per turn, the two side by side taking turns (0: vLLM's "
+                   "server first, then pdserve)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="start both and measure, this many times (a table each)")
     p.add_argument("--out", default=None, help="default: bench-results/handoff-<timestamp>")
     p.add_argument("--seed", type=int, default=0)
     procs.add_start_and_quiet_args(p)
@@ -68,49 +77,97 @@ def figures(recs: list[metrics.Record]) -> dict[str, Any]:
             "e2e_p50_ms": p50([r.e2e for r in ok])}
 
 
-def measure(dep: cluster.Deployment, name: str, lengths: list[int], args: argparse.Namespace,
-            model: str, out: Path) -> dict[int, dict[str, Any]]:
-    url = dep.start(args.start_timeout)
-    log = dep.logdir / "client.log"
-    res: dict[int, dict[str, Any]] = {}
+def measure(deps: dict[str, cluster.Deployment], lengths: list[int], args: argparse.Namespace,
+            model: str, out: Path) -> dict[str, dict[int, dict[str, Any]]]:
+    """Each length's figures per system. The systems take turns of `--interleave` requests
+    (all of them in one turn if 0), in the order ABBA..., the same prompts for each."""
+    urls = {name: dep.base_url for name, dep in deps.items()}
+    log = out / "client.log"
+    turn = args.interleave or args.prompts
+    res: dict[str, dict[int, dict[str, Any]]] = {name: {} for name in deps}
     for i, n_tokens in enumerate(lengths):
-        def trace(tag: str, n: int, run: int) -> Path:
-            items = workload.make_workload(workload.uniform(n_tokens, args.output_len), n,
-                                           float("inf"), 1.0, args.seed + run)
-            return workload.write_trace(items, out / "raw" / f"{name}-{tag}.jsonl", run=run)
+        def client(name: str, tag: str, items: list[workload.Item], run: int) -> list[Any]:
+            trace = workload.write_trace(items, out / "raw" / f"{name}-{tag}.jsonl", run=run)
+            result = run_client(ClientRun(urls[name], model, trace, len(items),
+                                          out / "raw" / f"{name}-{tag}.json", metrics.Slo(),
+                                          max_concurrency=1), log, args.seed)
+            return metrics.records_from_vllm(result)
 
-        run_client(ClientRun(url, model, trace(f"warm{n_tokens}", 3, 90 + i), 3,
-                             out / "raw" / f"{name}-warm{n_tokens}.json", metrics.Slo(),
-                             max_concurrency=1), log, args.seed)
+        warm = workload.make_workload(workload.uniform(n_tokens, args.output_len), 3,
+                                      float("inf"), 1.0, args.seed + 90 + i)
+        for name in deps:
+            client(name, f"warm{n_tokens}", warm, 90 + i)
+        items = workload.make_workload(workload.uniform(n_tokens, args.output_len), args.prompts,
+                                       float("inf"), 1.0, args.seed + i)
         procs.wait_quiet(args.quiet_below, args.quiet_timeout)
-        before = scrape.scrape(url) if name == "pdserve" else {}
-        result = run_client(ClientRun(url, model, trace(f"p{n_tokens}", args.prompts, i),
-                                      args.prompts, out / "raw" / f"{name}-p{n_tokens}.json",
-                                      metrics.Slo(), max_concurrency=1), log, args.seed)
-        row = figures(metrics.records_from_vllm(result))
-        if name == "pdserve":
-            d = scrape.delta(before, scrape.scrape(url))
-            row["phases_ms"] = {p: d.get(f"handoff_{p}_mean_ms") for p in PHASES}
-        res[n_tokens] = row
-        logger.info("%s, %d prompt tokens: %s", name, n_tokens,
-                    {k: v for k, v in row.items() if k != "phases_ms"})
+        before = scrape.scrape(urls["pdserve"]) if "pdserve" in urls else {}
+        recs: dict[str, list[list[metrics.Record]]] = {name: [] for name in deps}
+        for t, start in enumerate(range(0, len(items), turn)):
+            for name in (list(deps) if t % 2 == 0 else list(deps)[::-1]):
+                recs[name].append(client(name, f"p{n_tokens}-{t}", items[start:start + turn], i))
+        for name, turns in recs.items():
+            res[name][n_tokens] = figures([r for rs in turns for r in rs])
+        if "pdserve" in urls:
+            d = scrape.delta(before, scrape.scrape(urls["pdserve"]))
+            res["pdserve"][n_tokens]["phases_ms"] = {p: d.get(f"handoff_{p}_mean_ms")
+                                                     for p in PHASES}
+        if "vllm" in recs and "pdserve" in recs:
+            res["pdserve"][n_tokens]["itl_x_vllm_per_turn"] = turn_ratios(recs["pdserve"],
+                                                                          recs["vllm"])
+        for name in deps:
+            logger.info("%s, %d prompt tokens: %s", name, n_tokens,
+                        {k: v for k, v in res[name][n_tokens].items() if k != "phases_ms"})
     return res
+
+
+def turn_ratios(pd: list[list[metrics.Record]], vllm: list[list[metrics.Record]]
+                ) -> list[float]:
+    """Per turn: pdserve's ITL p50 after the handoff over vLLM's ITL p50 in the turn beside it."""
+    out = []
+    for a, b in zip(pd, vllm):
+        after, step = figures(a)["itl_after_p50_ms"], figures(b)["itl_all_p50_ms"]
+        if after and step:
+            out.append(round(after / step, 3))
+    return out
+
+
+def deployment(name: str, args: argparse.Namespace, model: str, cores: list[int],
+               out: Path) -> cluster.Deployment:
+    """vLLM's server on the decode core, or pdserve 1P1D on both (every prompt handed over)."""
+    if name == "vllm":
+        return cluster.VllmDeployment(model, out, core=str(cores[1]),
+                                      extra=cluster.engine_mode(args.worker_args.split()))
+    cfg = cluster.Config("handoff-1P1D", prefill=1, decode=1, local_threshold=0)
+    return cluster.PdDeployment(cfg, model, out, worker_args=args.worker_args.split(),
+                                cores=cores)
 
 
 def measure_round(args: argparse.Namespace, model: str, lengths: list[int], cores: list[int],
                   out: Path) -> dict[str, Any]:
-    """vLLM's server on the decode core, then pdserve 1P1D on both."""
+    """vLLM's server and pdserve side by side, or one after the other (`--interleave 0`)."""
     (out / "raw").mkdir(parents=True, exist_ok=True)
-    run: dict[str, Any] = {}
-    if not args.skip_vllm:
-        with cluster.VllmDeployment(model, out, core=str(cores[1]),
-                                    extra=cluster.engine_mode(args.worker_args.split())) as dep:
-            run["vllm"] = measure(dep, "vllm", lengths, args, model, out)
-    cfg = cluster.Config("handoff-1P1D", prefill=1, decode=1, local_threshold=0)
-    with cluster.PdDeployment(cfg, model, out, worker_args=args.worker_args.split(),
-                              cores=cores) as pd:
-        run["pdserve"] = measure(pd, "pdserve", lengths, args, model, out)
-    return run
+    names = ["pdserve"] if args.skip_vllm else ["vllm", "pdserve"]
+    if not args.interleave:
+        run: dict[str, Any] = {}
+        for name in names:
+            with deployment(name, args, model, cores, out) as dep:
+                dep.start(args.start_timeout)
+                run |= measure({name: dep}, lengths, args, model, out)
+        return run
+    with contextlib.ExitStack() as stack:
+        deps: dict[str, cluster.Deployment] = {}
+        for name in names:  # one at a time: engines starting together on one core may hang
+            deps[name] = stack.enter_context(deployment(name, args, model, cores, out))
+            deps[name].start(args.start_timeout)
+        return measure(deps, lengths, args, model, out)
+
+
+def per_turn(pd: dict[str, Any]) -> str:
+    """The turns' ratios: their median and range, e.g. `1.02 (0.97-1.08)`."""
+    xs = sorted(pd.get("itl_x_vllm_per_turn") or [])
+    if not xs:
+        return "-"
+    return f"{statistics.median(xs):.2f} ({xs[0]:.2f}-{xs[-1]:.2f})"
 
 
 def markdown(res: dict[str, Any]) -> str:
@@ -124,10 +181,10 @@ def markdown(res: dict[str, Any]) -> str:
 
 
 def _round(run: dict[str, Any]) -> list[str]:
-    """One round's tables: pdserve against the vLLM run just before it."""
+    """One round's tables: pdserve against the vLLM run beside it."""
     lines = ["| prompt tokens | vLLM's server: ITL p50 (ms) | pdserve: TTFT p50 | first -> second "
              "token p50 / p99 | in decode steps (p50) | ITL after it p50 | x vLLM's ITL "
-             "| E2E p50 (pdserve / vLLM) |", "|" + "---|" * 8]
+             "| E2E p50 (pdserve / vLLM) | x vLLM's ITL per turn |", "|" + "---|" * 9]
 
     def f(v: float | None) -> str:
         return "-" if v is None else f"{v:.1f}"
@@ -140,7 +197,7 @@ def _round(run: dict[str, Any]) -> list[str]:
         ratio = f"{after / step:.2f}" if after and step else "-"
         lines.append(f"| {n} | {f(step)} | {f(pd['ttft_p50_ms'])} | {f(gap)} / "
                      f"{f(pd['first_gap_p99_ms'])} | {steps} | {f(after)} | {ratio} | "
-                     f"{f(pd['e2e_p50_ms'])} / {f(v.get('e2e_p50_ms'))} |")
+                     f"{f(pd['e2e_p50_ms'])} / {f(v.get('e2e_p50_ms'))} | {per_turn(pd)} |")
     lines += ["", "The handoff by phase (the controller's means, ms):", "",
               "| prompt tokens | " + " | ".join(PHASES) + " | sum |", "|" + "---|" * (len(PHASES) + 2)]
     for n, pd in run["pdserve"].items():
