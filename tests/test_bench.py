@@ -452,6 +452,7 @@ def test_handoff_systems_take_turns_with_the_same_prompts(tmp_path, monkeypatch)
     step = {"vllm": 0.002, "pd": 0.0022}
 
     def fake_client(run, log, seed=0):
+        assert run.cores == {0}  # the prefill core: the decode core is the engine's
         ids = [json.loads(line)["hash_ids"][0] for line in run.trace.read_text().splitlines()]
         calls.append((run.base_url.removeprefix("http://"), ids))
         n, s = len(ids), step[calls[-1][0]] * (2 if len(calls) > 6 else 1)

@@ -32,6 +32,7 @@ class ClientRun:
     slo: Slo
     max_concurrency: int | None = None
     label: str = ""
+    cores: frozenset[int] | None = None  # keep the client there (None: where the kernel likes)
 
 
 def client_args(run: ClientRun) -> list[str]:
@@ -58,16 +59,19 @@ def run_client(run: ClientRun, log: Path, seed: int = 0, timeout: float = 3600.0
     plus `client_cpu_s`: the CPU the client itself used."""
     env = dict(os.environ, PYTHONHASHSEED=str(seed), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     return run_child([sys.executable, "-m", "pdserve.bench.client", *client_args(run)],
-                     run.result, log, env, timeout, "vLLM's benchmark client")
+                     run.result, log, env, timeout, "vLLM's benchmark client", run.cores)
 
 
 def run_child(argv: list[str], result: Path, log: Path, env: dict[str, str], timeout: float,
-              what: str) -> dict[str, Any]:
-    """Run a benchmark client to completion; its result JSON plus `client_cpu_s`."""
+              what: str, cores: frozenset[int] | None = None) -> dict[str, Any]:
+    """Run a benchmark client to completion (on `cores`, if given); its result JSON plus
+    `client_cpu_s`."""
     result.parent.mkdir(parents=True, exist_ok=True)
+    pin = None if cores is None else (lambda: os.sched_setaffinity(0, cores))
     with open(log, "ab") as out:
         proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+                                stdin=subprocess.DEVNULL, start_new_session=True,
+                                preexec_fn=pin)
         try:
             code, cpu = _wait(proc, timeout)
         except BaseException:

@@ -6,7 +6,8 @@ is that engine's decode step as a client sees it) and to pdserve 1P1D on the sam
 (prefill worker on one, decode worker on the other, every prompt disaggregated). For pdserve the
 first gap of each stream (first token, from the prefill, to the second, the decode worker's
 first) is the handoff; the gaps after it are its decode path. The controller's handoff phases
-are scraped around each length.
+are scraped around each length. The client runs on the prefill core, as one on another host
+would leave the decode core to the engine (`--client-free`: on any core).
 
 This machine's speed drifts by tens of percent within minutes, so the two run side by side and
 take turns (`--interleave N`: N requests to one, N to the other, in the order ABBA...): both
@@ -44,6 +45,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--cores", default="0,1", help="prefill core, decode core (vLLM's server "
                    "gets the decode core)")
+    p.add_argument("--client-free", action="store_true",
+                   help="let the client run on any core (default: the prefill core, as a client "
+                   "on another host would leave the decode core to the engine)")
     p.add_argument("--worker-args", default="", help="extra `pdserve worker` arguments")
     p.add_argument("--skip-vllm", action="store_true", help="measure pdserve only")
     p.add_argument("--interleave", type=int, default=5,
@@ -84,13 +88,14 @@ def measure(deps: dict[str, cluster.Deployment], lengths: list[int], args: argpa
     urls = {name: dep.base_url for name, dep in deps.items()}
     log = out / "client.log"
     turn = args.interleave or args.prompts
+    cores = None if args.client_free else frozenset({int(args.cores.split(",")[0])})
     res: dict[str, dict[int, dict[str, Any]]] = {name: {} for name in deps}
     for i, n_tokens in enumerate(lengths):
         def client(name: str, tag: str, items: list[workload.Item], run: int) -> list[Any]:
             trace = workload.write_trace(items, out / "raw" / f"{name}-{tag}.jsonl", run=run)
             result = run_client(ClientRun(urls[name], model, trace, len(items),
                                           out / "raw" / f"{name}-{tag}.json", metrics.Slo(),
-                                          max_concurrency=1), log, args.seed)
+                                          max_concurrency=1, cores=cores), log, args.seed)
             return metrics.records_from_vllm(result)
 
         warm = workload.make_workload(workload.uniform(n_tokens, args.output_len), 3,
