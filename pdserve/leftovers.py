@@ -25,30 +25,34 @@ class _Noted:
     files: set[str] = field(default_factory=set)
     pids: set[int] = field(default_factory=set)
     at: float = float("-inf")  # when last looked at
+    wait: float = 0.0  # until the next look
     until: float = 0.0  # after its exit: when to stop waiting for its processes to end
 
 
 class Leftovers:
-    """Per child (by its pid): the /dev/shm files its process tree was seen using, refreshed at
-    most every `every` seconds; after its exit, `sweep` removes them once nothing uses them, or
-    gives up after `patience` seconds of its processes still running."""
+    """Per child (by its pid): the /dev/shm files its process tree was seen using, looked at
+    again `every` seconds after it started, then twice as long after each look up to `most`
+    (an engine makes its files as it starts; a look costs ~10 ms of /proc reading per worker);
+    after its exit, `sweep` removes them once nothing uses them, or gives up after `patience`
+    seconds of its processes still running."""
 
-    def __init__(self, every: float = 5.0, patience: float = 120.0, folder: Path = SHM,
-                 proc: Path = PROC):
-        self.every, self.patience, self.folder, self.proc = every, patience, folder, proc
+    def __init__(self, every: float = 5.0, most: float = 120.0, patience: float = 120.0,
+                 folder: Path = SHM, proc: Path = PROC):
+        self.every, self.most, self.patience = every, most, patience
+        self.folder, self.proc = folder, proc
         self._running: dict[int, _Noted] = {}
         self._ended: list[_Noted] = []
 
     def note(self, name: str, pid: int, now: float) -> None:
-        """Look at what `pid`'s processes use, unless looked at less than `every` s ago."""
+        """Look at what `pid`'s processes use, if its next look is due."""
         n = self._running.setdefault(pid, _Noted(name))
-        if now - n.at >= self.every:
+        if now - n.at >= n.wait:
             pids = tree(pid, self.proc)
             # Only the folder's own files: the workers' core claims live in a folder of theirs
             # there and stay by design (pdserve/worker/cores.py).
             n.files |= {f for f in shm_used(pids, self.folder, self.proc) if "/" not in f}
             n.pids |= set(pids)
-            n.at = now
+            n.at, n.wait = now, min(self.most, max(self.every, 2 * n.wait))
 
     def ended(self, pid: int, now: float) -> None:
         if (n := self._running.pop(pid, None)) is not None and n.files:

@@ -76,23 +76,22 @@ def test_a_killed_childs_files_go_once_its_processes_are_gone_and_nothing_uses_t
     assert f"removed what decode-1's processes left in {fake.shm}: sem.mp-engine" in caplog.text
 
 
-def test_files_are_noted_again_only_after_a_while(fake):
+def test_files_are_looked_at_less_often_as_a_child_runs_on(fake):
     fake.file("early")
     fake.process(10, ["early"])
-    left = Leftovers(every=5, folder=fake.shm, proc=fake.proc)
-    left.note("prefill-1", 10, now=0.0)
-    fake.file("late")
-    fake.process(12, ["early", "late"])
-    (fake.proc / "10" / "task" / "10" / "children").write_text("12")
-    left.note("prefill-1", 10, now=4.0)  # too soon: "late" is not seen
+    left = Leftovers(every=5, most=20, folder=fake.shm, proc=fake.proc)
+    for t in range(0, 61):  # the supervisor's checks, once a second
+        fake.file(f"t{t}")
+        fake.process(10, ["early", f"t{t}"])  # a file of its own, each second
+        left.note("prefill-1", 10, now=float(t))
+    looks = sorted(int(f[1:]) for f in left._running[10].files if f.startswith("t"))
+    assert looks == [0, 5, 15, 35, 55]  # waits of 5, 10, 20, 20
     fake.exit(10)
-    fake.exit(12)
-    left.ended(10, now=4.5)
-    assert left.sweep(now=4.5) == ["early"]
-    assert fake.left() == {"late"}
+    left.ended(10, now=61.0)
+    assert left.sweep(now=61.0) == sorted(["early", "t0", "t15", "t35", "t5", "t55"])
 
-    left.note("prefill-2", 30, now=10.0)  # a process already gone: nothing to note or remove
-    left.ended(30, now=10.0)
+    left.note("prefill-2", 30, now=70.0)  # a process already gone: nothing to note or remove
+    left.ended(30, now=70.0)
     assert not left.pending()
 
 
