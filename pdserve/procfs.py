@@ -39,7 +39,6 @@ def tree(pid: int, proc: Path = PROC) -> list[int]:
     return out
 
 
-
 def shm_segments(folder: Path = SHM) -> dict[str, tuple[int, float]]:
     """Shared-memory files (vLLM's engines talk through some): name -> (bytes, mtime)."""
     return {name: (st.st_size, st.st_mtime) for name, st in _files(folder).items()}
@@ -91,7 +90,6 @@ def _inodes(folder: Path) -> dict[tuple[str, int], str]:
     """(device as /proc/PID/maps writes it, inode) -> name, of the files in `folder`."""
     return {(f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}", st.st_ino): name
             for name, st in _files(folder).items()}
-
 
 
 def alive(pid: int, proc: Path = PROC) -> bool:

@@ -90,14 +90,15 @@ def measure(deps: dict[str, cluster.Deployment], lengths: list[int], args: argpa
     turn = args.interleave or args.prompts
     cores = None if args.client_free else frozenset({int(args.cores.split(",")[0])})
     res: dict[str, dict[int, dict[str, Any]]] = {name: {} for name in deps}
-    for i, n_tokens in enumerate(lengths):
-        def client(name: str, tag: str, items: list[workload.Item], run: int) -> list[Any]:
-            trace = workload.write_trace(items, out / "raw" / f"{name}-{tag}.jsonl", run=run)
-            result = run_client(ClientRun(urls[name], model, trace, len(items),
-                                          out / "raw" / f"{name}-{tag}.json", metrics.Slo(),
-                                          max_concurrency=1, cores=cores), log, args.seed)
-            return metrics.records_from_vllm(result)
 
+    def client(name: str, tag: str, items: list[workload.Item], run: int) -> list[Any]:
+        trace = workload.write_trace(items, out / "raw" / f"{name}-{tag}.jsonl", run=run)
+        result = run_client(ClientRun(urls[name], model, trace, len(items),
+                                      out / "raw" / f"{name}-{tag}.json", metrics.Slo(),
+                                      max_concurrency=1, cores=cores), log, args.seed)
+        return metrics.records_from_vllm(result)
+
+    for i, n_tokens in enumerate(lengths):
         warm = workload.make_workload(workload.uniform(n_tokens, args.output_len), 3,
                                       float("inf"), 1.0, args.seed + 90 + i)
         for name in deps:
