@@ -31,7 +31,7 @@ from typing import TextIO
 from pdserve import preflight
 from pdserve.leftovers import Leftovers
 from pdserve.models import BUILTIN_MODEL_NAME, cache_dir, default_model_dir, resolve_model
-from pdserve.supervisor import Child, ChildExited, Supervisor, stop_children, supervise
+from pdserve.supervisor import Child, ChildExited, Supervisor, supervise
 
 RUNS_KEPT = 20  # run folders kept under the cache (the newest)
 
@@ -288,8 +288,7 @@ def serve(args) -> int:
         if signals:
             what = "Ctrl-C" if signals[0] == signal.SIGINT else signal.Signals(signals[0]).name
             progress.say(f"stopping ({what}): draining the workers; Ctrl-C again stops at once")
-        stop_children(sup.children, drain_timeout=args.drain_timeout)
-        sup.stopped()
+        sup.stop(drain_timeout=args.drain_timeout)
         shutil.rmtree(tmp, ignore_errors=True)
         for s, h in old.items():
             signal.signal(s, h)

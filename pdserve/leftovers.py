@@ -10,11 +10,14 @@ none of those processes is left, removes those of its files that no process uses
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdserve.procfs import PROC, SHM, alive, shm_used, tree
+from pdserve.procfs import PROC, SHM, shm_used, started, tree
 
 logger = logging.getLogger("pdserve.serve")
 
@@ -23,7 +26,7 @@ logger = logging.getLogger("pdserve.serve")
 class _Noted:
     name: str
     files: set[str] = field(default_factory=set)
-    pids: set[int] = field(default_factory=set)
+    pids: dict[int, int] = field(default_factory=dict)  # pid -> when it started
     at: float = float("-inf")  # when last looked at
     wait: float = 0.0  # until the next look
     until: float = 0.0  # after its exit: when to stop waiting for its processes to end
@@ -43,15 +46,17 @@ class Leftovers:
         self._running: dict[int, _Noted] = {}
         self._ended: list[_Noted] = []
 
-    def note(self, name: str, pid: int, now: float) -> None:
-        """Look at what `pid`'s processes use, if its next look is due."""
+    def note(self, name: str, pid: int, now: float, force: bool = False) -> None:
+        """Look at what `pid`'s processes use, if its next look is due (or `force`)."""
         n = self._running.setdefault(pid, _Noted(name))
-        if now - n.at >= n.wait:
+        if force or now - n.at >= n.wait:
             pids = tree(pid, self.proc)
             # Only the folder's own files: the workers' core claims live in a folder of theirs
             # there and stay by design (pdserve/worker/cores.py).
             n.files |= {f for f in shm_used(pids, self.folder, self.proc) if "/" not in f}
-            n.pids |= set(pids)
+            for p in pids:
+                if (t := started(p, self.proc)) is not None:
+                    n.pids.setdefault(p, t)
             n.at, n.wait = now, min(self.most, max(self.every, 2 * n.wait))
 
     def ended(self, pid: int, now: float) -> None:
@@ -67,12 +72,11 @@ class Leftovers:
         uses; returns their names."""
         removed: list[str] = []
         for n in list(self._ended):
-            if any(alive(p, self.proc) for p in n.pids):
+            if running := self._running_of(n):
                 if now >= n.until:
                     self._ended.remove(n)
                     logger.warning("%s's processes %s still run %g s after it exited; not "
-                                   "removing its /dev/shm files %s", n.name,
-                                   sorted(p for p in n.pids if alive(p, self.proc)),
+                                   "removing its /dev/shm files %s", n.name, running,
                                    self.patience, sorted(n.files))
                 continue
             self._ended.remove(n)
@@ -82,6 +86,23 @@ class Leftovers:
                                self.folder, ", ".join(gone))
             removed += gone
         return removed
+
+    def stop_left(self) -> list[int]:
+        """SIGKILL what still runs of the ended children's processes (an engine core in a
+        process group of its own outlives its worker's SIGKILL for a while); their pids."""
+        out = []
+        for n in self._ended:
+            if running := self._running_of(n):
+                logger.warning("stopping what is left of %s's processes: %s", n.name, running)
+            for pid in running:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            out += running
+        return out
+
+    def _running_of(self, n: _Noted) -> list[int]:
+        """Those of its processes still running (the same pid started at the same time)."""
+        return sorted(p for p, t in n.pids.items() if started(p, self.proc) == t)
 
     def _remove(self, names: set[str]) -> list[str]:
         out = []

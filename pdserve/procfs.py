@@ -94,8 +94,15 @@ def _inodes(folder: Path) -> dict[tuple[str, int], str]:
 
 def alive(pid: int, proc: Path = PROC) -> bool:
     """Running (a zombie, exited but not yet reaped, is not)."""
+    return started(pid, proc) is not None
+
+
+def started(pid: int, proc: Path = PROC) -> int | None:
+    """When a running process started (clock ticks after boot): with its pid, which process it
+    is, since pids are reused; None if it is gone or a zombie."""
     try:
         text = (proc / str(pid) / "stat").read_text()
     except OSError:
-        return False
-    return text[text.rindex(")") + 2:].split()[0] not in ("Z", "X")
+        return None
+    rest = text[text.rindex(")") + 2:].split()  # rest[0] is field 3 (state), starttime is 22
+    return None if rest[0] in ("Z", "X") else int(rest[19])

@@ -129,21 +129,28 @@ class Supervisor:
         if self.leftovers is not None:
             self.leftovers.sweep(now)
 
-    def stopped(self, timeout: float = 15.0) -> None:
-        """After stop_children: remove what the children's processes left in /dev/shm, waiting
-        up to `timeout` s for those still ending (an engine core stops after its worker)."""
-        if self.leftovers is None:
+    def stop(self, drain_timeout: float, timeout: float = 5.0) -> None:
+        """Stop every child (stop_children), then SIGKILL what is left of their processes (an
+        engine core whose worker was killed stops by itself, but only ~20 s later) and remove
+        what they left in /dev/shm, waiting up to `timeout` s for the kernel to reap them. The
+        children's processes are looked at first: a worker restarted moments ago may have
+        started its engine since the last look."""
+        left, children = self.leftovers, self.children
+        if left is None:
+            stop_children(children, drain_timeout)
             return
-        now = self._clock()
-        for s in self._all:
-            if s.child is not None:
-                self.leftovers.ended(s.child.proc.pid, now)
+        for c in children:
+            left.note(c.name, c.proc.pid, self._clock(), force=True)
+        stop_children(children, drain_timeout)
+        for c in children:
+            left.ended(c.proc.pid, self._clock())
+        left.stop_left()
         deadline = time.monotonic() + timeout
         while True:
-            self.leftovers.sweep(self._clock())
-            if not self.leftovers.pending() or time.monotonic() >= deadline:
+            left.sweep(self._clock())
+            if not left.pending() or time.monotonic() >= deadline:
                 return
-            time.sleep(0.2)
+            time.sleep(0.1)
 
     def _run(self, s: _Supervised) -> Child:
         child = self._spawn(s.name, s.cmd)

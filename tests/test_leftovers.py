@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -13,9 +14,15 @@ from pathlib import Path
 
 import pytest
 
+from pdserve import procfs
 from pdserve.leftovers import Leftovers
 from pdserve.procfs import SHM
-from pdserve.supervisor import Backoff, Child, Supervisor, stop_children
+from pdserve.supervisor import Backoff, Child, Supervisor
+
+
+def _stat(pid: int, state: str, started: int = 1000) -> str:
+    """A /proc/PID/stat line: state is field 3, when it started field 22."""
+    return f"{pid} (python) {state} 1 {pid} " + "0 " * 16 + f"{started} 0\n"
 
 
 class FakeProc:
@@ -34,13 +41,13 @@ class FakeProc:
         (p / "task" / str(pid)).mkdir(parents=True, exist_ok=True)
         (p / "fd").mkdir(exist_ok=True)
         (p / "task" / str(pid) / "children").write_text(" ".join(map(str, children)))
-        (p / "stat").write_text(f"{pid} (python) S 1 {pid}\n")
+        (p / "stat").write_text(_stat(pid, "S"))
         (p / "maps").write_text("".join(f"7f00-7f10 rw-s 00000000 00:1a {i + 40} {self.shm}/{m}\n"
                                         for i, m in enumerate(maps)))
 
     def exit(self, pid: int) -> None:
         """A zombie: it maps nothing any more."""
-        (self.proc / str(pid) / "stat").write_text(f"{pid} (python) Z 1 {pid}\n")
+        (self.proc / str(pid) / "stat").write_text(_stat(pid, "Z"))
         (self.proc / str(pid) / "maps").write_text("")
 
     def left(self) -> set[str]:
@@ -95,6 +102,20 @@ def test_files_are_looked_at_less_often_as_a_child_runs_on(fake):
     assert not left.pending()
 
 
+def test_a_forced_look_sees_what_started_since_the_last(fake):
+    fake.process(10, [])
+    left = Leftovers(every=5, folder=fake.shm, proc=fake.proc)
+    left.note("decode-1", 10, now=0.0)
+    fake.file("sem.mp-engine")
+    fake.process(11, ["sem.mp-engine"])  # its engine, started a moment later
+    (fake.proc / "10" / "task" / "10" / "children").write_text("11")
+    left.note("decode-1", 10, now=1.0, force=True)  # as serve stops
+    fake.exit(10)
+    fake.exit(11)
+    left.ended(10, now=1.0)
+    assert left.sweep(now=1.0) == ["sem.mp-engine"]
+
+
 def test_a_process_that_outlives_its_patience_keeps_its_files(fake, caplog):
     fake.file("sem.mp-engine")
     fake.process(10, [], children=[11])
@@ -109,6 +130,20 @@ def test_a_process_that_outlives_its_patience_keeps_its_files(fake, caplog):
         assert left.sweep(now=60.0) == []
     assert not left.pending() and fake.left() == {"sem.mp-engine"}
     assert "decode-1's processes [11] still run 60 s after it exited" in caplog.text
+
+
+def test_a_reused_pid_is_not_one_of_its_processes(fake):
+    fake.file("sem.mp-engine")
+    fake.process(10, [], children=[11])
+    fake.process(11, ["sem.mp-engine"])
+    left = Leftovers(every=0, folder=fake.shm, proc=fake.proc)
+    left.note("decode-1", 10, now=0.0)
+    fake.exit(10)
+    left.ended(10, now=0.0)
+    (fake.proc / "11" / "stat").write_text(_stat(11, "S", started=5000))  # another process now
+    (fake.proc / "11" / "maps").write_text("")
+    assert left.stop_left() == []  # not ours to stop
+    assert left.sweep(now=1.0) == ["sem.mp-engine"]
 
 
 # A worker's stand-in: a named semaphore as an engine core makes one (multiprocessing's spawn
@@ -152,8 +187,7 @@ def test_the_supervisor_removes_the_semaphore_a_group_killed_with_sigkill_left(c
         # Stopped for good with SIGKILL (what a second Ctrl-C does): swept as serve ends.
         stopped.signal_group(signal.SIGKILL)
         stopped.proc.wait(30)
-        stop_children(sup.children, drain_timeout=1)
-        sup.stopped(timeout=30)
+        sup.stop(drain_timeout=1, timeout=30)
         assert not (SHM / files[1]).exists()
     finally:
         for c in children:
@@ -162,3 +196,54 @@ def test_the_supervisor_removes_the_semaphore_a_group_killed_with_sigkill_left(c
             c.proc.stdout.close()
         for f in files:
             (SHM / f).unlink(missing_ok=True)
+
+
+# A worker whose engine core, in a process group of its own, maps the worker's semaphore.
+WORKER_AND_ENGINE = """
+import multiprocessing, os, time
+
+def engine(lock):
+    os.setpgid(0, 0)
+    time.sleep(300)
+
+if __name__ == "__main__":
+    ctx = multiprocessing.get_context("spawn")
+    lock = ctx.Lock()
+    core = ctx.Process(target=engine, args=(lock,))
+    core.start()
+    time.sleep(3)  # the engine has opened the semaphore
+    print(lock._semlock.name, core.pid, flush=True)
+    time.sleep(300)
+"""
+
+
+def test_stopping_serve_stops_an_engine_that_outlived_its_killed_worker(tmp_path, caplog):
+    """A second Ctrl-C SIGKILLs a worker's group; its engine core, in a group of its own, would
+    stop only ~20 s later, and the semaphore would stay: serve stops it and removes the file."""
+    (tmp_path / "worker.py").write_text(WORKER_AND_ENGINE)
+    children: list[Child] = []
+
+    def spawn(name: str, cmd: list[str]) -> Child:
+        children.append(Child(name, subprocess.Popen(cmd, start_new_session=True,
+                                                     stdout=subprocess.PIPE, text=True)))
+        return children[-1]
+
+    sup = Supervisor(spawn, leftovers=Leftovers(every=0))
+    w = sup.start("decode-1", [sys.executable, str(tmp_path / "worker.py")])
+    sem, engine = w.proc.stdout.readline().split()
+    f, engine_pid = f"sem.{sem.lstrip('/')}", int(engine)
+    try:
+        sup.check()  # notes what its processes use
+        w.signal_group(signal.SIGKILL)
+        w.proc.wait(30)
+        assert procfs.alive(engine_pid) and (SHM / f).exists()
+        with caplog.at_level(logging.WARNING, logger="pdserve.serve"):
+            sup.stop(drain_timeout=1)
+        assert not procfs.alive(engine_pid)
+        assert not (SHM / f).exists()
+        assert f"stopping what is left of decode-1's processes: [{engine_pid}]" in caplog.text
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(engine_pid, signal.SIGKILL)
+        w.proc.stdout.close()
+        (SHM / f).unlink(missing_ok=True)
