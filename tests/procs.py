@@ -92,7 +92,9 @@ def metric(base: str, name: str) -> float:
     return sum(float(v) for v in re.findall(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M))
 
 
-def wait_for(predicate, timeout: float, what: str, procs: list[Proc] = ()) -> None:
+def wait_for(predicate, timeout: float, what: str, procs: list[Proc] = (),
+             every: float = 0.3) -> None:
+    """Until `predicate()` holds, looking every `every` s; raises if one of `procs` exits."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for p in procs:
@@ -104,7 +106,7 @@ def wait_for(predicate, timeout: float, what: str, procs: list[Proc] = ()) -> No
                 return
         except OSError:
             pass
-        time.sleep(0.3)
+        time.sleep(every)
     tails = "".join(f"\n--- {p.name} (last lines) ---\n{p.log()[-3000:]}" for p in procs)
     raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}{tails}")
 
