@@ -106,17 +106,19 @@ def get_pool(base: str, timeout: float = 2.0) -> tuple[str, list[dict]]:
 def wait_ready(base: str, expected: int, children: list[Child], timeout: float,
                stopping: Callable[[], bool] = lambda: False,
                progress: Callable[[list[dict]], None] | None = None,
-               api_servers: int = 1) -> bool:
+               api_servers: int = 1, tick: Callable[[], None] = lambda: None) -> bool:
     """True once `expected` workers are ready in the view of `api_servers` different
     controllers answering on `base` (new connections reach each API server sharing the port in
     turn, as the kernel spreads them); False if `stopping()` turns true first. A child exiting
     now is an error, not restarted: at start-up it is most likely a wrong flag. `progress` is
-    given the pool (/pd/workers) each time a controller answers."""
+    given the pool (/pd/workers) each time a controller answers; `tick` is called on each
+    round."""
     deadline = time.monotonic() + timeout
     ready: set[str] = set()  # controllers that have seen every worker ready
     while time.monotonic() < deadline:
         if stopping():
             return False
+        tick()
         for c in children:
             if c.proc.poll() is not None:
                 raise ChildExited(f"{c.name} exited with code {c.proc.returncode} during "
@@ -268,7 +270,8 @@ def serve(args) -> int:
                                             args.worker_arg))
             progress.say(f"{child} loading its engine" + (f" (cores {core})" if core else ""))
         if wait_ready(base, len(roles), sup.children, args.start_timeout, lambda: bool(signals),
-                      lambda workers: progress.seen(workers, sup.children), args.api_servers):
+                      lambda workers: progress.seen(workers, sup.children), args.api_servers,
+                      tick=sup.look):
             print(f"pdserve ready: {base}/v1  ({args.prefill} prefill, {args.decode} decode{apis}; "
                   f"pool at {base}/pd/workers, dashboard at {base}/pd/dashboard)", flush=True)
             print(try_it(base, name or model), flush=True)

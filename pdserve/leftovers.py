@@ -33,23 +33,39 @@ class _Noted:
 
 
 class Leftovers:
-    """Per child (by its pid): the /dev/shm files its process tree was seen using, looked at
-    again `every` seconds after it started, then twice as long after each look up to `most`
-    (an engine makes its files as it starts; a look costs ~10 ms of /proc reading per worker);
-    after its exit, `sweep` removes them once nothing uses them, or gives up after `patience`
-    seconds of its processes still running."""
+    """Per child (by its pid): the /dev/shm files its process tree was seen using. A look costs
+    ~10 ms of /proc reading per worker, so a child is looked at when the folder has gained a
+    file since its last look (`glance`, one listing; at most once in `least` seconds), and
+    otherwise `every` seconds after it started, then twice as long after each look up to
+    `most`. After its exit, `sweep` removes its files once nothing uses them, or gives up after
+    `patience` seconds of its processes still running."""
 
     def __init__(self, every: float = 5.0, most: float = 120.0, patience: float = 120.0,
-                 folder: Path = SHM, proc: Path = PROC):
-        self.every, self.most, self.patience = every, most, patience
+                 least: float = 1.0, folder: Path = SHM, proc: Path = PROC):
+        self.every, self.most, self.patience, self.least = every, most, patience, least
         self.folder, self.proc = folder, proc
         self._running: dict[int, _Noted] = {}
         self._ended: list[_Noted] = []
+        self._names: set[str] = set()
+        self._grew = float("-inf")  # when the folder last gained a name
+
+    def glance(self, now: float) -> None:
+        """List the folder: a name it did not have at the last glance makes every child due for
+        a look. An engine makes its semaphore seconds into its start, which the backoff alone
+        could leave unseen for a minute, while a stuck start is what gets killed."""
+        try:
+            names = set(os.listdir(self.folder))
+        except OSError:
+            names = set()
+        if names - self._names:
+            self._grew = now
+        self._names = names
 
     def note(self, name: str, pid: int, now: float, force: bool = False) -> None:
         """Look at what `pid`'s processes use, if its next look is due (or `force`)."""
         n = self._running.setdefault(pid, _Noted(name))
-        if force or now - n.at >= n.wait:
+        grew = n.at < self._grew and now - n.at >= self.least
+        if force or grew or now - n.at >= n.wait:
             pids = tree(pid, self.proc)
             # Only the folder's own files: the workers' core claims live in a folder of theirs
             # there and stay by design (pdserve/worker/cores.py).

@@ -121,13 +121,22 @@ class Supervisor:
         for s in list(self._all):
             if (child := s.child) is not None and (code := child.proc.poll()) is not None:
                 self._exited(s, child, code, now)
-            elif child is not None and self.leftovers is not None:
-                self.leftovers.note(s.name, child.proc.pid, now)
             elif s.due is not None and now >= s.due:
                 s.restarts += 1
                 self._run(s)
-        if self.leftovers is not None:
-            self.leftovers.sweep(now)
+        self.look()
+
+    def look(self) -> None:
+        """Note what the running children's processes use in /dev/shm where a look is due, and
+        remove what ended ones left (without `leftovers`: nothing). `check` does it; serve's
+        start-up, which restarts nobody, calls it alone."""
+        if (left := self.leftovers) is None:
+            return
+        now = self._clock()
+        left.glance(now)
+        for c in self.children:
+            left.note(c.name, c.proc.pid, now)
+        left.sweep(now)
 
     def stop(self, drain_timeout: float, timeout: float = 5.0) -> None:
         """Stop every child (stop_children), then SIGKILL what is left of their processes (an

@@ -116,6 +116,31 @@ def test_a_forced_look_sees_what_started_since_the_last(fake):
     assert left.sweep(now=1.0) == ["sem.mp-engine"]
 
 
+def test_a_file_new_in_the_folder_has_the_children_looked_at_again(fake):
+    """A worker's engine starts 20 s in and makes its semaphore at 35.5 s, between the looks
+    the backoff plans (0, 5, 15, 35, 75): the folder's new name gets it looked at, once a
+    second at most, and the semaphore is known when both die by SIGKILL at 40 s."""
+    fake.process(10, [])
+    left = Leftovers(every=5, most=120, least=1, folder=fake.shm, proc=fake.proc)
+    looks = []
+    for t in [x / 2 for x in range(81)]:  # the supervisor's checks, twice a second
+        if t == 20:
+            fake.process(10, [], children=[11])
+            fake.process(11, [])
+        if t == 35.5:
+            fake.file("sem.mp-engine")
+            fake.process(11, ["sem.mp-engine"])
+        left.glance(t)
+        left.note("decode-1", 10, now=t)
+        if left._running[10].at == t:
+            looks.append(t)
+    assert looks == [0, 5, 15, 35, 36]
+    fake.exit(10)
+    fake.exit(11)
+    left.ended(10, now=40.0)
+    assert left.sweep(now=40.0) == ["sem.mp-engine"]
+
+
 def test_a_process_that_outlives_its_patience_keeps_its_files(fake, caplog):
     fake.file("sem.mp-engine")
     fake.process(10, [], children=[11])
@@ -195,6 +220,50 @@ def test_the_supervisor_removes_the_semaphore_a_group_killed_with_sigkill_left(c
             c.proc.wait(30)
             c.proc.stdout.close()
         for f in files:
+            (SHM / f).unlink(missing_ok=True)
+
+
+# A worker's engine making its semaphore a second into its start.
+LATE_SEMAPHORE = [sys.executable, "-c",
+                  "import multiprocessing, time\n"
+                  "time.sleep(1)\n"
+                  "lock = multiprocessing.get_context('spawn').Lock()\n"
+                  "print(lock._semlock.name, flush=True); time.sleep(300)\n"]
+
+
+def test_a_semaphore_made_between_the_planned_looks_is_removed_after_sigkill():
+    """The backoff's next look is a minute away: the folder's new file gets the child looked
+    at, so a kill -9 of its group right after leaves nothing."""
+    children: list[Child] = []
+
+    def spawn(name: str, cmd: list[str]) -> Child:
+        children.append(Child(name, subprocess.Popen(cmd, start_new_session=True,
+                                                     stdout=subprocess.PIPE, text=True)))
+        return children[-1]
+
+    sup = Supervisor(spawn, backoff=lambda: Backoff(first=300),
+                     leftovers=Leftovers(every=60, least=1))
+    child = sup.start("decode-1", LATE_SEMAPHORE)
+    f = ""
+    try:
+        sup.check()  # its first look: no semaphore yet
+        f = "sem." + child.proc.stdout.readline().strip().lstrip("/")
+        end = time.monotonic() + 1.5  # past `least` since that look
+        while time.monotonic() < end:
+            sup.check()
+            time.sleep(0.1)
+        child.signal_group(signal.SIGKILL)
+        child.proc.wait(30)
+        deadline = time.monotonic() + 30
+        while (SHM / f).exists() and time.monotonic() < deadline:
+            sup.check()
+            time.sleep(0.05)
+        assert not (SHM / f).exists()
+    finally:
+        child.signal_group(signal.SIGKILL)
+        child.proc.wait(30)
+        child.proc.stdout.close()
+        if f:
             (SHM / f).unlink(missing_ok=True)
 
 

@@ -19,6 +19,7 @@ import pytest
 from procs import Proc, children, free_port, thread_cpus, wait_for
 
 from pdserve import preflight
+from pdserve.procfs import SHM
 from pdserve.launcher import RUNS_KEPT, StartProgress, assign_cores, run_folder, try_it
 from pdserve.supervisor import Child
 from pdserve.worker.engine import parse_cores
@@ -42,6 +43,24 @@ from pdserve import launcher
 
 launcher.worker_command = lambda *_: [
     sys.executable, "-c", "print('no such flag: --frobnicate'); raise SystemExit(2)"]
+from pdserve.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+# Workers that make a named semaphore a second in, as an engine does as it starts, and are killed
+# with SIGKILL a few seconds later, with their group (its resource tracker too).
+KILLED_STARTING_WORKERS = """
+import sys
+from pdserve import launcher
+
+launcher.worker_command = lambda *_: [sys.executable, "-c", '''
+import multiprocessing, os, signal, time
+time.sleep(1)
+lock = multiprocessing.get_context("spawn").Lock()
+print("semaphore", lock._semlock.name, flush=True)
+time.sleep(4)
+os.killpg(0, signal.SIGKILL)
+''']
 from pdserve.cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -170,6 +189,25 @@ def test_a_child_that_exits_during_start_up_ends_serve_with_its_log(tmp_path) ->
     assert proc.returncode == 1, proc.stderr
     assert "exited with code 2 during start-up" in proc.stderr
     assert "no such flag: --frobnicate" in proc.stderr  # the end of its log
+
+
+def test_a_worker_killed_while_it_starts_leaves_nothing_in_dev_shm(tmp_path) -> None:
+    """kill -9 of a starting worker's group (a stuck start, say) ends serve, as any exit during
+    start-up does; the semaphore it made is removed, with nothing else left to do it."""
+    port, wport = free_port(), free_port()
+    proc = subprocess.run(serve("--port", str(port), "--worker-port", str(wport), "--log-dir",
+                                str(tmp_path / "run"), driver=KILLED_STARTING_WORKERS),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert "exited with code -9 during start-up" in proc.stderr
+    made = [line.split()[1].lstrip("/") for log in (tmp_path / "run").glob("*-1.log")
+            for line in log.read_text().splitlines() if line.startswith("semaphore ")]
+    assert made  # at least the worker that was killed made one
+    try:
+        assert [m for m in made if (SHM / f"sem.{m}").exists()] == []
+    finally:
+        for m in made:
+            (SHM / f"sem.{m}").unlink(missing_ok=True)
 
 
 def test_a_taken_port_fails_at_once_saying_what_to_change(tmp_path) -> None:
