@@ -5,12 +5,13 @@ body (msgspec, never pickle: these frames cross hosts). Structs are array-like s
 not travel. A peer speaking another version is refused with a message naming both versions.
 
 Channels (one DEALER per worker per controller, one ROUTER per controller):
-  worker -> controller: Register, Heartbeat, Drain, Unregister, Output, Outputs, KvEvents
-  controller -> worker: RegisterAck, Generate, Abort, Ping, Leave, KvReplay
+  worker -> controller: Register, Heartbeat, Drain, Unregister, Output, Outputs, KvEvents, Others
+  controller -> worker: RegisterAck, Generate, Abort, Ping, Leave, KvReplay, Reserved
 
 Fields are only ever added at the end, with a default: a peer of the same version that predates
 them ignores them (msgspec skips trailing array items), and a message type it does not know is
-dropped with a warning.
+dropped with a warning (so a new type goes only to a peer whose Register or RegisterAck says it
+knows it).
 """
 
 from __future__ import annotations
@@ -122,6 +123,7 @@ class Register(_Msg):
     # it can take; the controller holds back the prefill of any more (admission.py). Last:
     # fields are positional on the wire, and a peer one version older ignores a trailing one.
     max_seqs: int = 0
+    reserves: bool = False  # it takes Reserved and sends Others
 
 
 class RegisterAck(_Msg):
@@ -138,12 +140,30 @@ class RegisterAck(_Msg):
     # Worker ports of the other API servers at this controller's address (`--api-servers N`):
     # the worker registers with them too (worker/discovery.py).
     siblings: list[int] = []
+    reserves: bool = False  # it takes Others (and sends Reserved to a worker that reserves)
 
 
 class Heartbeat(_Msg):
     worker_id: str
     load: Load
     draining: bool = False
+
+
+class Reserved(_Msg):
+    """Controller -> decode worker: how many of this controller's streams are headed there now
+    (the worker was chosen for them; their prompts are being prefilled elsewhere). The worker
+    counts them among the slots other controllers cannot have, and tells those at once."""
+
+    count: int
+
+
+class Others(_Msg):
+    """Decode worker -> controller, between heartbeats: its Load.others changed because another
+    controller reserved slots there. A burst reaching two controllers at once let each admit
+    every slot while the figure waited for the next heartbeat (controller/admission.py)."""
+
+    worker_id: str
+    others: int
 
 
 class Drain(_Msg):
@@ -274,6 +294,8 @@ class MsgType(enum.IntEnum):
     KV_EVENTS = 11
     KV_REPLAY = 12
     OUTPUTS = 13
+    RESERVED = 14
+    OTHERS = 15
 
 
 _TYPES: dict[MsgType, type[_Msg]] = {
@@ -290,6 +312,8 @@ _TYPES: dict[MsgType, type[_Msg]] = {
     MsgType.KV_EVENTS: KvEvents,
     MsgType.KV_REPLAY: KvReplay,
     MsgType.OUTPUTS: Outputs,
+    MsgType.RESERVED: Reserved,
+    MsgType.OTHERS: Others,
 }
 _TYPE_OF = {cls: t for t, cls in _TYPES.items()}
 _ENCODER = msgspec.msgpack.Encoder()
@@ -297,7 +321,7 @@ _DECODERS: dict[MsgType, msgspec.msgpack.Decoder[Any]] = {
     t: msgspec.msgpack.Decoder(cls) for t, cls in _TYPES.items()}
 
 Message = (Register | RegisterAck | Heartbeat | Drain | Unregister | Generate | Abort | Output
-           | Outputs | Ping | Leave | KvEvents | KvReplay)
+           | Outputs | Ping | Leave | KvEvents | KvReplay | Reserved | Others)
 
 
 def encode(msg: _Msg) -> list[bytes]:

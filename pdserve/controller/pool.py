@@ -99,6 +99,7 @@ class Pool:
         self.kv: KVIndex | None = None
         self._kv_wanted = kv_index
         self._replay_asked: dict[str, float] = {}  # worker id -> when a replay was asked
+        self._to_tell: dict[str, Worker] = {}  # decode workers whose `reserved` changed
 
     def snapshot(self) -> list[dict]:
         """The workers as /pd/workers shows them: the registry's entries, each with what the KV
@@ -154,6 +155,23 @@ class Pool:
             self.lost(worker, f"send failed: {e}")
             raise WorkerLost(worker.id, str(e)) from None
         return leg
+
+    def reserve(self, worker: Worker, n: int) -> None:
+        """`n` more (or fewer) of this controller's streams are headed for decode worker
+        `worker` while their prompts are prefilled elsewhere. A worker that reserves is told the
+        new count at the end of this turn of the event loop (one message for all the changes
+        made in it), and tells the other controllers at once."""
+        worker.reserved = max(0, worker.reserved + n)
+        if worker.reserves:
+            if not self._to_tell:
+                asyncio.get_running_loop().call_soon(self._tell_reserved)
+            self._to_tell[worker.id] = worker
+
+    def _tell_reserved(self) -> None:
+        to_tell, self._to_tell = self._to_tell, {}
+        for w in to_tell.values():
+            if self.registry.workers.get(w.id) is w:
+                self._reply(w.identity, protocol.Reserved(w.reserved))
 
     def finish(self, leg: Leg) -> None:
         if not leg.done:
@@ -286,6 +304,10 @@ class Pool:
             if self._from(identity, msg.worker_id):
                 self._on_kv_events(identity, msg)
             return
+        if isinstance(msg, protocol.Others):
+            if self._from(identity, msg.worker_id):
+                self._on_others(msg)
+            return
         if isinstance(msg, protocol.Heartbeat):
             if not self._from(identity, msg.worker_id):
                 return
@@ -332,6 +354,13 @@ class Pool:
                 self.finish(leg)
         elif leg is None and msg.finished and msg.kv_transfer_params:
             self._release_orphan(identity, msg)
+
+    def _on_others(self, msg: protocol.Others) -> None:
+        """Another controller reserved slots on the worker: its figure, before the next beat."""
+        w = self.registry.workers.get(msg.worker_id)
+        if w is not None and msg.others != w.load.others:
+            w.load = msgspec.structs.replace(w.load, others=msg.others)
+            self._event("others", w)
 
     def _from(self, identity: bytes, worker_id: str) -> bool:
         """A worker may only speak for itself (its ZMQ identity is its worker id)."""
@@ -423,7 +452,8 @@ class Pool:
 
     def _accepted(self) -> protocol.RegisterAck:
         return protocol.RegisterAck(True, "", self.id, self.registry.heartbeat_interval,
-                                    dead_after=self.registry.dead_after, siblings=self.siblings)
+                                    dead_after=self.registry.dead_after, siblings=self.siblings,
+                                    reserves=True)
 
     def _reply(self, identity: bytes, msg) -> None:
         try:

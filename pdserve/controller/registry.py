@@ -65,6 +65,7 @@ class Worker:
     kv_events: bool = False  # its engine's prefix-cache events reach the pool's KV index
     kv_block_bytes: int = 0  # bytes of one KV block (0: unknown)
     max_seqs: int = 0  # requests its engine runs at once (0: unknown)
+    reserves: bool = False  # it takes protocol.Reserved (this controller tells it `reserved`)
     # What it is given: its role, or for an AUTO worker what the planner assigned (it starts as
     # BOTH, serving requests whole, which is right for a worker alone).
     duty: Role = Role.BOTH
@@ -161,7 +162,7 @@ class Registry:
         worker = Worker(msg.worker_id, Role(msg.role), msg.address, msg.kv_port, msg.info,
                         identity, registered_at=now, last_seen=now, pid=msg.pid,
                         kv_events=msg.kv_events, kv_block_bytes=msg.kv_block_bytes,
-                        max_seqs=msg.max_seqs, session=msg.session)
+                        max_seqs=msg.max_seqs, session=msg.session, reserves=msg.reserves)
         if old is not None and old.auto and worker.auto:
             worker.duty = old.duty  # the planner's assignment stands
         self.workers[msg.worker_id] = worker

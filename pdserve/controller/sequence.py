@@ -649,12 +649,12 @@ class Sequence:
 
     def _reserve(self, d: Worker) -> None:
         """Count the stream on decode worker `d` while its prompt is prefilled elsewhere."""
-        d.reserved += 1
+        self.pool.reserve(d, 1)
         self._reserved = d
 
     def _unreserve(self) -> None:
         if self._reserved is not None:
-            self._reserved.reserved = max(0, self._reserved.reserved - 1)
+            self.pool.reserve(self._reserved, -1)
             self._reserved = None
 
     def _emit(self, d: SeqDelta) -> None:

@@ -57,6 +57,9 @@ logger = logging.getLogger(__name__)
 # intervals (tests make it larger: a loaded test machine stalls for seconds).
 MISSED_ACKS_BEFORE_LOST = 3
 MAX_BATCH = 256  # outputs in one Outputs message
+# Seconds before the other controllers hear of decode slots a controller's streams freed: time
+# for it to fill them from its own line (a few ms from the stream's end, more under load).
+FREED_AFTER = 0.1
 
 
 class _Steps:
@@ -95,6 +98,10 @@ class _Link:
     dead_after: float = 0.0  # the controller's, from its acks
     siblings: tuple[int, ...] = ()  # worker ports of the API servers beside it, from its acks
     retiring: bool = False  # gone from the controller set: finishing its legs, then closed
+    # Its streams headed here, their prompts being prefilled elsewhere (protocol.Reserved).
+    reserved: int = 0
+    reserves: bool = False  # it takes protocol.Others (its acks say so)
+    others_told: int = 0  # the last `others` it was sent
     # Outputs made during this turn of the event loop, sent together at its end (see flush).
     pending: list[Output] = field(default_factory=list)
     # Told of outputs that could not be sent (the worker ends their legs: see _outputs_dropped).
@@ -103,6 +110,7 @@ class _Link:
     def unregister(self) -> None:
         """Its legs are dropped: the next Register starts a new session."""
         self.registered, self.session = False, uuid.uuid4().hex
+        self.reserved = 0
 
     def send(self, msg: protocol._Msg) -> None:
         """Send now, after the outputs made before it (the controller must see a leg's outputs
@@ -158,6 +166,8 @@ class PDWorker:
         self.ctx = zmq.asyncio.Context()
         self.keys = keys
         self.links: dict[int, _Link] = {}  # by link id, which never repeats
+        self._telling = False  # a _tell_others of slots taken is due at the end of this turn
+        self._freeing: asyncio.TimerHandle | None = None  # and one of slots freed, later
         self._loops: dict[int, asyncio.Task] = {}  # each link's receive loop
         self._next_link = 0
         self._found: set[str] = set()  # the controller set as discovery last gave it
@@ -362,7 +372,8 @@ class PDWorker:
                                  kv_events=self.engine.kv_events is not None,
                                  kv_blocks=self.engine.kv_blocks,
                                  kv_block_bytes=self.engine.kv_block_bytes,
-                                 max_seqs=self.engine.max_seqs, session=link.session)
+                                 max_seqs=self.engine.max_seqs, session=link.session,
+                                 reserves=True)
 
     async def _heartbeat_loop(self) -> None:
         beat = time.monotonic()
@@ -389,7 +400,10 @@ class PDWorker:
                     continue
                 msg: protocol.Heartbeat | protocol.Register
                 if link.registered:
-                    others = len(self.tasks) - self._count(i)
+                    others = self._others(i)
+                    if self._freeing is not None:  # slots freed this moment: not yet (FREED_AFTER)
+                        others = max(others, link.others_told)
+                    link.others_told = others
                     msg = protocol.Heartbeat(self.worker_id,
                                              msgspec.structs.replace(load, others=others),
                                              self.draining or link.retiring)
@@ -430,6 +444,8 @@ class PDWorker:
                     self._on_generate(i, msg)
                 elif isinstance(msg, protocol.Abort):
                     await self._on_abort(i, msg.request_ids)
+                elif isinstance(msg, protocol.Reserved):
+                    self._on_reserved(i, msg.count)
                 elif isinstance(msg, protocol.Ping):
                     pass  # hearing it is all it is for
                 elif isinstance(msg, protocol.Leave):
@@ -450,6 +466,7 @@ class PDWorker:
                             ack.controller_id, self.role.label, self.worker_id)
             link.registered, link.controller_id = True, ack.controller_id
             link.interval, link.dead_after = ack.heartbeat_interval, ack.dead_after
+            link.reserves = ack.reserves
             if tuple(ack.siblings) != link.siblings:
                 link.siblings = tuple(ack.siblings)
                 self._apply()
@@ -481,6 +498,51 @@ class PDWorker:
     def _count(self, i: int) -> int:
         return sum(1 for (j, _) in self.tasks if j == i)
 
+    def _others(self, i: int) -> int:
+        """This engine's slots held for controllers other than link `i`'s: their requests here
+        and their streams headed here (protocol.Load.others)."""
+        return (len(self.tasks) - self._count(i)
+                + sum(link.reserved for j, link in self.links.items() if j != i))
+
+    def _on_reserved(self, i: int, count: int) -> None:
+        link = self.links[i]
+        if link.registered and count != link.reserved:
+            link.reserved = max(0, count)
+            self._others_changed()
+
+    def _others_changed(self) -> None:
+        """Tell the controllers whose `others` changed (a decode engine's slots are what they
+        count): slots taken at the end of this turn of the loop, slots freed FREED_AFTER later.
+        A slot freed by one controller's stream is that controller's first: it admits the next
+        of its line at once, and the others, told at the same moment, would each admit into it
+        too."""
+        if not self.role.serves(Role.DECODE):
+            return
+        loop = asyncio.get_running_loop()
+        if not self._telling:
+            self._telling = True
+            loop.call_soon(self._tell_others, True)
+        if self._freeing is None:
+            self._freeing = loop.call_later(FREED_AFTER, self._tell_others, False)
+
+    def _tell_others(self, taken_only: bool) -> None:
+        """Each controller that takes it and whose `others` rose (or, unless `taken_only`,
+        changed) since it was last told, in a protocol.Others: at once, not a heartbeat later."""
+        if taken_only:
+            self._telling = False
+        else:
+            self._freeing = None
+        for i, link in list(self.links.items()):
+            if not (link.registered and link.reserves):
+                continue
+            others = self._others(i)
+            if others > link.others_told or (not taken_only and others != link.others_told):
+                link.others_told = others
+                try:
+                    link.send(protocol.Others(self.worker_id, others))
+                except zmq.ZMQError:
+                    pass  # full or closed: the next heartbeat says it
+
     def _on_generate(self, i: int, msg: protocol.Generate) -> None:
         key = (i, msg.request_id)
         link = self.links[i]
@@ -495,7 +557,12 @@ class PDWorker:
         self.tasks[key] = task
         if msg.phase == Phase.DECODE and isinstance(msg.kv_transfer_params, dict):
             self.unstarted[key] = msg.kv_transfer_params
-        task.add_done_callback(lambda _t: self.tasks.pop(key, None))
+        task.add_done_callback(lambda _t: self._ended(key))
+        self._others_changed()
+
+    def _ended(self, key: tuple[int, str]) -> None:
+        self.tasks.pop(key, None)
+        self._others_changed()
 
     async def _on_abort(self, i: int, request_ids: list[str]) -> None:
         await self._end_in_engine(*self._cancel(i, request_ids))

@@ -101,3 +101,58 @@ async def test_two_controllers_leave_each_other_the_slots_they_hold(make_cluster
     assert d.engine.waited == 0  # type: ignore[attr-defined]  # B's waited in its line
     await a.assert_clean()
     await b.assert_clean()
+
+
+async def test_streams_in_their_prefill_at_one_controller_hold_their_slots_at_the_other(
+        make_cluster):
+    """A burst reaching two controllers at once: A's streams still in their prefill count at
+    B at once (protocol.Reserved, then Others), not a heartbeat later when they reach the decode
+    worker, so B does not admit into the slots they will take."""
+    beat = 3.0  # no heartbeat comes while A's prompts are prefilled: only Others can tell B
+    a = await make_cluster(fast_settings(queue_timeout=20.0), heartbeat=beat)
+    b = await make_cluster(fast_settings(queue_timeout=20.0), heartbeat=beat)
+    both = [a.address, b.address]
+    p, = await a.add("prefill", controllers=both, prefill_delay_per_token=0.05)  # 2.5 s a prompt
+    d, = await a.add("decode", controllers=both, max_seqs=2, decode_delay=0.01)
+    await wait_until(lambda: b.is_ready(p.worker_id) and b.is_ready(d.worker_id), 10,
+                     "both workers to register with B")
+    b.workers.update(a.workers)
+    at_a = asyncio.create_task(run_all(a, 2, max_tokens=20))
+    seen_by_b = b.pool.registry.workers[d.worker_id]
+    await wait_until(lambda: seen_by_b.load.others == 2, 10, "B to hear that A reserved both")
+    assert not d.engine.served  # type: ignore[attr-defined]  # A's are still in their prefill
+    assert b.controller.admission.limit() == 0
+
+    outs_b = await run_all(b, 2, max_tokens=12)
+
+    assert [len(final_tokens(o)) for o in outs_b] == [12] * 2
+    assert [len(final_tokens(o)) for o in await at_a] == [20] * 2
+    assert d.engine.waited == 0  # type: ignore[attr-defined]
+    await a.assert_clean()
+    await b.assert_clean()
+
+
+async def test_a_slot_freed_by_one_controllers_stream_goes_to_its_own_line_first(make_cluster):
+    """A's stream ends while both controllers have a line: A starts its next at once, and B
+    hears of the freed slot only after that (worker.FREED_AFTER), so the two do not both take
+    it."""
+    beat = 3.0  # no heartbeat comes between the streams: Others alone tells B
+    a = await make_cluster(fast_settings(queue_timeout=20.0), heartbeat=beat)
+    b = await make_cluster(fast_settings(queue_timeout=20.0), heartbeat=beat)
+    both = [a.address, b.address]
+    p, = await a.add("prefill", controllers=both)
+    d, = await a.add("decode", controllers=both, max_seqs=1, decode_delay=0.01)
+    await wait_until(lambda: b.is_ready(p.worker_id) and b.is_ready(d.worker_id), 10,
+                     "both workers to register with B")
+    b.workers.update(a.workers)
+    at_a = asyncio.create_task(run_all(a, 3, max_tokens=30))  # one runs, two wait at A
+    await wait_until(lambda: a.controller.admission.queued == 2, 5, "A's line")
+    seen_by_b = b.pool.registry.workers[d.worker_id]
+    await wait_until(lambda: seen_by_b.load.others == 1, 5, "B to hear that A holds the slot")
+    at_b = asyncio.create_task(run_all(b, 2, max_tokens=10))
+
+    assert [len(final_tokens(o)) for o in await at_a] == [30] * 3
+    assert [len(final_tokens(o)) for o in await at_b] == [10] * 2
+    assert d.engine.waited == 0  # type: ignore[attr-defined]
+    await a.assert_clean()
+    await b.assert_clean()

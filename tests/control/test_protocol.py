@@ -25,9 +25,9 @@ INFO = EngineInfo("m", "tok", 16, "float32", "nixl", 4096)
 
 MESSAGES = [
     protocol.Register("w1", Role.BOTH, "10.0.0.2", INFO, kv_port=5600, pid=42, kv_events=True,
-                      kv_blocks=4096, kv_block_bytes=65536),
+                      kv_blocks=4096, kv_block_bytes=65536, max_seqs=128, reserves=True),
     protocol.RegisterAck(False, "model: no", "c1", 0.25, reregister=True, dead_after=30.0,
-                         siblings=[8002, 8003]),
+                         siblings=[8002, 8003], reserves=True),
     protocol.Heartbeat("w1", Load(3, 4, 0.75, others=2), draining=True),
     protocol.Drain("w1"),
     protocol.Unregister("w1", "drained"),
@@ -39,6 +39,8 @@ MESSAGES = [
     protocol.Leave("c1", "shutting down"),
     protocol.KvEvents("w1", 7, msgspec.Raw(msgspec.msgpack.encode([1.5, [], None]))),
     protocol.KvReplay(3),
+    protocol.Reserved(12),
+    protocol.Others("w1", 40),
     protocol.Output("r1", [SeqDelta(1, " x", [5, 6], [[TokenLogprob(5, -0.5, 1, " x")],
                                                       [TokenLogprob(6, -1.0, None, None)]],
                                     -1.5, "stop", 6)],
