@@ -171,27 +171,40 @@ def test_a_reused_pid_is_not_one_of_its_processes(fake):
     assert left.sweep(now=1.0) == ["sem.mp-engine"]
 
 
-# A worker's stand-in: a named semaphore as an engine core makes one (multiprocessing's spawn
-# context keeps it named, registered with a resource tracker in this group), its name printed.
-SEMAPHORE_HOLDER = [sys.executable, "-c",
-                    "import multiprocessing, time\n"
-                    "lock = multiprocessing.get_context('spawn').Lock()\n"
-                    "print(lock._semlock.name, flush=True); time.sleep(300)\n"]
+def semaphore_holder(after: float = 0.0) -> list[str]:
+    """A worker's stand-in: a named semaphore as an engine core makes one `after` seconds into
+    its start (multiprocessing's spawn context keeps it named, registered with a resource
+    tracker in this group), its name printed."""
+    return [sys.executable, "-c",
+            f"import multiprocessing, time\ntime.sleep({after})\n"
+            "lock = multiprocessing.get_context('spawn').Lock()\n"
+            "print(lock._semlock.name, flush=True); time.sleep(300)\n"]
 
 
-def test_the_supervisor_removes_the_semaphore_a_group_killed_with_sigkill_left(caplog):
+@pytest.fixture
+def spawn():
+    """A Supervisor's spawn: each child in a process group of its own, its output piped; every
+    group is SIGKILLed and reaped afterwards."""
     children: list[Child] = []
 
-    def spawn(name: str, cmd: list[str]) -> Child:
+    def start(name: str, cmd: list[str]) -> Child:
         children.append(Child(name, subprocess.Popen(cmd, start_new_session=True,
                                                      stdout=subprocess.PIPE, text=True)))
         return children[-1]
 
+    yield start
+    for c in children:
+        c.signal_group(signal.SIGKILL)
+        c.proc.wait(30)
+        c.proc.stdout.close()
+
+
+def test_the_supervisor_removes_the_semaphore_a_group_killed_with_sigkill_left(spawn, caplog):
     sup = Supervisor(spawn, backoff=lambda: Backoff(first=300),
                      leftovers=Leftovers(every=0))
     files: list[str] = []
-    killed, stopped = sup.start("decode-1", SEMAPHORE_HOLDER), sup.start("decode-2",
-                                                                          SEMAPHORE_HOLDER)
+    killed, stopped = sup.start("decode-1", semaphore_holder()), sup.start("decode-2",
+                                                                            semaphore_holder())
     try:
         sems = [c.proc.stdout.readline().strip().lstrip("/") for c in (killed, stopped)]
         files += [f"sem.{s}" for s in sems]
@@ -215,35 +228,16 @@ def test_the_supervisor_removes_the_semaphore_a_group_killed_with_sigkill_left(c
         sup.stop(drain_timeout=1, timeout=30)
         assert not (SHM / files[1]).exists()
     finally:
-        for c in children:
-            c.signal_group(signal.SIGKILL)
-            c.proc.wait(30)
-            c.proc.stdout.close()
         for f in files:
             (SHM / f).unlink(missing_ok=True)
 
 
-# A worker's engine making its semaphore a second into its start.
-LATE_SEMAPHORE = [sys.executable, "-c",
-                  "import multiprocessing, time\n"
-                  "time.sleep(1)\n"
-                  "lock = multiprocessing.get_context('spawn').Lock()\n"
-                  "print(lock._semlock.name, flush=True); time.sleep(300)\n"]
-
-
-def test_a_semaphore_made_between_the_planned_looks_is_removed_after_sigkill():
+def test_a_semaphore_made_between_the_planned_looks_is_removed_after_sigkill(spawn):
     """The backoff's next look is a minute away: the folder's new file gets the child looked
     at, so a kill -9 of its group right after leaves nothing."""
-    children: list[Child] = []
-
-    def spawn(name: str, cmd: list[str]) -> Child:
-        children.append(Child(name, subprocess.Popen(cmd, start_new_session=True,
-                                                     stdout=subprocess.PIPE, text=True)))
-        return children[-1]
-
     sup = Supervisor(spawn, backoff=lambda: Backoff(first=300),
                      leftovers=Leftovers(every=60, least=1))
-    child = sup.start("decode-1", LATE_SEMAPHORE)
+    child = sup.start("decode-1", semaphore_holder(after=1))
     f = ""
     try:
         sup.check()  # its first look: no semaphore yet
@@ -260,9 +254,6 @@ def test_a_semaphore_made_between_the_planned_looks_is_removed_after_sigkill():
             time.sleep(0.05)
         assert not (SHM / f).exists()
     finally:
-        child.signal_group(signal.SIGKILL)
-        child.proc.wait(30)
-        child.proc.stdout.close()
         if f:
             (SHM / f).unlink(missing_ok=True)
 
@@ -286,17 +277,11 @@ if __name__ == "__main__":
 """
 
 
-def test_stopping_serve_stops_an_engine_that_outlived_its_killed_worker(tmp_path, caplog):
+def test_stopping_serve_stops_an_engine_that_outlived_its_killed_worker(spawn, tmp_path,
+                                                                        caplog):
     """A second Ctrl-C SIGKILLs a worker's group; its engine core, in a group of its own, would
     stop only ~20 s later, and the semaphore would stay: serve stops it and removes the file."""
     (tmp_path / "worker.py").write_text(WORKER_AND_ENGINE)
-    children: list[Child] = []
-
-    def spawn(name: str, cmd: list[str]) -> Child:
-        children.append(Child(name, subprocess.Popen(cmd, start_new_session=True,
-                                                     stdout=subprocess.PIPE, text=True)))
-        return children[-1]
-
     sup = Supervisor(spawn, leftovers=Leftovers(every=0))
     w = sup.start("decode-1", [sys.executable, str(tmp_path / "worker.py")])
     sem, engine = w.proc.stdout.readline().split()
@@ -314,5 +299,4 @@ def test_stopping_serve_stops_an_engine_that_outlived_its_killed_worker(tmp_path
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(engine_pid, signal.SIGKILL)
-        w.proc.stdout.close()
         (SHM / f).unlink(missing_ok=True)

@@ -181,11 +181,15 @@ def test_systemds_stop_of_every_process_lets_a_stream_finish(tmp_path) -> None:
     assert "SIGTERM: draining" in decode and "stopping now" not in decode, decode
 
 
-def test_a_child_that_exits_during_start_up_ends_serve_with_its_log(tmp_path) -> None:
-    port, wport = free_port(), free_port()
-    proc = subprocess.run(serve("--port", str(port), "--worker-port", str(wport), "--log-dir",
-                                str(tmp_path / "run"), driver=EXITING_WORKERS),
+def serve_to_the_end(logs, driver: str) -> subprocess.CompletedProcess:
+    """`pdserve serve` with `driver`'s workers on free ports, logs in `logs`, until it exits."""
+    return subprocess.run(serve("--port", str(free_port()), "--worker-port", str(free_port()),
+                                "--log-dir", str(logs), driver=driver),
                           capture_output=True, text=True, timeout=120)
+
+
+def test_a_child_that_exits_during_start_up_ends_serve_with_its_log(tmp_path) -> None:
+    proc = serve_to_the_end(tmp_path / "run", EXITING_WORKERS)
     assert proc.returncode == 1, proc.stderr
     assert "exited with code 2 during start-up" in proc.stderr
     assert "no such flag: --frobnicate" in proc.stderr  # the end of its log
@@ -194,10 +198,7 @@ def test_a_child_that_exits_during_start_up_ends_serve_with_its_log(tmp_path) ->
 def test_a_worker_killed_while_it_starts_leaves_nothing_in_dev_shm(tmp_path) -> None:
     """kill -9 of a starting worker's group (a stuck start, say) ends serve, as any exit during
     start-up does; the semaphore it made is removed, with nothing else left to do it."""
-    port, wport = free_port(), free_port()
-    proc = subprocess.run(serve("--port", str(port), "--worker-port", str(wport), "--log-dir",
-                                str(tmp_path / "run"), driver=KILLED_STARTING_WORKERS),
-                          capture_output=True, text=True, timeout=120)
+    proc = serve_to_the_end(tmp_path / "run", KILLED_STARTING_WORKERS)
     assert proc.returncode == 1, proc.stderr
     assert "exited with code -9 during start-up" in proc.stderr
     made = [line.split()[1].lstrip("/") for log in (tmp_path / "run").glob("*-1.log")

@@ -17,6 +17,22 @@ async def run_all(cluster, n: int, max_tokens: int) -> list[list]:
     return await asyncio.gather(*(cluster.run(PROMPT, greedy(max_tokens)) for _ in range(n)))
 
 
+async def two_controllers(make_cluster, max_seqs: int, heartbeat: float | None = None,
+                          **prefill_kw):
+    """Controllers A and B over one prefill worker and one decode worker of `max_seqs` slots,
+    each worker registered with both; returns (A, B, the decode worker)."""
+    beat = {} if heartbeat is None else {"heartbeat": heartbeat}
+    a = await make_cluster(fast_settings(queue_timeout=20.0), **beat)
+    b = await make_cluster(fast_settings(queue_timeout=20.0), **beat)
+    both = [a.address, b.address]
+    p, = await a.add("prefill", controllers=both, **prefill_kw)
+    d, = await a.add("decode", controllers=both, max_seqs=max_seqs, decode_delay=0.01)
+    await wait_until(lambda: b.is_ready(p.worker_id) and b.is_ready(d.worker_id), 10,
+                     "both workers to register with B")
+    b.workers.update(a.workers)
+    return a, b, d
+
+
 @pytest.mark.parametrize("says", [True, False], ids=["slots-known", "slots-unknown"])
 async def test_streams_beyond_the_decode_slots_wait_before_their_prefill(make_cluster, says):
     cluster = await make_cluster(fast_settings(queue_timeout=20.0))
@@ -81,14 +97,7 @@ async def test_a_stream_goes_to_a_decode_worker_with_a_free_slot_whatever_the_po
 async def test_two_controllers_leave_each_other_the_slots_they_hold(make_cluster):
     # Each controller counts its own streams; the decode worker's heartbeat to each tells it
     # how many it holds for the others (protocol.Load.others).
-    a = await make_cluster(fast_settings(queue_timeout=20.0))
-    b = await make_cluster(fast_settings(queue_timeout=20.0))
-    both = [a.address, b.address]
-    p, = await a.add("prefill", controllers=both)
-    d, = await a.add("decode", controllers=both, max_seqs=2, decode_delay=0.01)
-    await wait_until(lambda: b.is_ready(p.worker_id) and b.is_ready(d.worker_id), 10,
-                     "both workers to register with B")
-    b.workers.update(a.workers)
+    a, b, d = await two_controllers(make_cluster, max_seqs=2)
     at_a = asyncio.create_task(run_all(a, 2, max_tokens=80))  # both slots, for ~1 s
     seen_by_b = b.pool.registry.workers[d.worker_id]
     await wait_until(lambda: seen_by_b.load.others == 2, 5, "B to hear that A holds both")
@@ -109,14 +118,8 @@ async def test_streams_in_their_prefill_at_one_controller_hold_their_slots_at_th
     B at once (protocol.Reserved, then Others), not a heartbeat later when they reach the decode
     worker, so B does not admit into the slots they will take."""
     beat = 3.0  # no heartbeat comes while A's prompts are prefilled: only Others can tell B
-    a = await make_cluster(fast_settings(queue_timeout=20.0), heartbeat=beat)
-    b = await make_cluster(fast_settings(queue_timeout=20.0), heartbeat=beat)
-    both = [a.address, b.address]
-    p, = await a.add("prefill", controllers=both, prefill_delay_per_token=0.05)  # 2.5 s a prompt
-    d, = await a.add("decode", controllers=both, max_seqs=2, decode_delay=0.01)
-    await wait_until(lambda: b.is_ready(p.worker_id) and b.is_ready(d.worker_id), 10,
-                     "both workers to register with B")
-    b.workers.update(a.workers)
+    a, b, d = await two_controllers(make_cluster, max_seqs=2, heartbeat=beat,
+                                    prefill_delay_per_token=0.05)  # 2.5 s a prompt
     at_a = asyncio.create_task(run_all(a, 2, max_tokens=20))
     seen_by_b = b.pool.registry.workers[d.worker_id]
     await wait_until(lambda: seen_by_b.load.others == 2, 10, "B to hear that A reserved both")
@@ -137,14 +140,7 @@ async def test_a_slot_freed_by_one_controllers_stream_goes_to_its_own_line_first
     hears of the freed slot only after that (worker.FREED_AFTER), so the two do not both take
     it."""
     beat = 3.0  # no heartbeat comes between the streams: Others alone tells B
-    a = await make_cluster(fast_settings(queue_timeout=20.0), heartbeat=beat)
-    b = await make_cluster(fast_settings(queue_timeout=20.0), heartbeat=beat)
-    both = [a.address, b.address]
-    p, = await a.add("prefill", controllers=both)
-    d, = await a.add("decode", controllers=both, max_seqs=1, decode_delay=0.01)
-    await wait_until(lambda: b.is_ready(p.worker_id) and b.is_ready(d.worker_id), 10,
-                     "both workers to register with B")
-    b.workers.update(a.workers)
+    a, b, d = await two_controllers(make_cluster, max_seqs=1, heartbeat=beat)
     at_a = asyncio.create_task(run_all(a, 3, max_tokens=30))  # one runs, two wait at A
     await wait_until(lambda: a.controller.admission.queued == 2, 5, "A's line")
     seen_by_b = b.pool.registry.workers[d.worker_id]
