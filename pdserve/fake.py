@@ -174,7 +174,7 @@ class FakeEngine:
                  prefill_delay_per_token: float = 0.0, decode_delay: float = 0.0,
                  hold_timeout: float = 120.0, fail_after_tokens: int | None = None,
                  stall_after_tokens: int | None = None, kv_events: bool = True,
-                 max_seqs: int = 0):
+                 max_seqs: int = 0, last_output_delay: float = 0.0):
         self.info = info or fake_info()
         self.address = address
         self.kv_port = kv_port
@@ -189,6 +189,10 @@ class FakeEngine:
         # producing (until aborted) after this many.
         self.fail_after_tokens = fail_after_tokens
         self.stall_after_tokens = stall_after_tokens
+        # How long a finished request's last output takes to reach the worker (in vLLM, from
+        # the engine core to the worker's output handler): an abort in between finds the
+        # request finished, and a prefill's blocks already held.
+        self.last_output_delay = last_output_delay
         self.dead = False
         self._held: dict[str, _Hold] = {}
         self._active: dict[str, int] = {}  # request id -> blocks in use
@@ -322,6 +326,8 @@ class FakeEngine:
                               "remote_num_tokens": len(prompt)}
                 elif done and read_stats is not None:
                     kv_out = {KV_READ_STATS: read_stats}
+                if done and self.last_output_delay:
+                    await asyncio.sleep(self.last_output_delay)
                 out = CompletionOutput(
                     index=0, text=text, token_ids=[tok],
                     cumulative_logprob=sampler.out.cumulative_logprob if lps else None,
@@ -372,6 +378,10 @@ class FakeEngine:
         remote = ENGINES.get(kv_transfer_params.get("remote_engine_id", ""))
         if remote is not None:
             remote._held.pop(kv_transfer_params.get("remote_request_id", ""), None)
+
+    async def release_held(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self._held.pop(rid, None)
 
     def load(self) -> Load:
         self._expire()

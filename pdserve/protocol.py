@@ -263,6 +263,12 @@ class Output(_Msg):
 # the next position, else 0] (pdserve/kv/cpu_nixl.py, on the decode side).
 KV_READ_STATS = "pdserve_kv_read"
 
+# In the kv_transfer_params of a request a prefill worker sends its own engine, finished at once:
+# the request ids of prefill legs whose ends never reached their controller (aborted as they
+# ended), whose blocks the engine may hold for decodes that will never read them
+# (pdserve/kv/cpu_nixl.py frees them).
+RELEASE_HELD = "pdserve_release_held"
+
 
 class Outputs(_Msg):
     """The Outputs a worker has for one controller at one moment, in one message: an engine

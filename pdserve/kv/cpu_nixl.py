@@ -13,7 +13,8 @@ thread affinity back to what the engine had, posts each step's reads before its 
 than after, and reads a prompt's KV into an idle decode engine inside the step that computes
 its next position. On every platform it fails the engine's start
 when its side-channel port is taken (vLLM would wait for it for good), caps a decode read at
-what the prefill computed and reports what each read moved.
+what the prefill computed, reports what each read moved and frees, when its worker asks, the
+blocks of a prefill whose end never reached a controller.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from pdserve.net import bind_error
-from pdserve.protocol import KV_READ_STATS
+from pdserve.protocol import KV_READ_STATS, RELEASE_HELD
 
 # Under vLLM's logger: this runs in the engine's processes, where only vLLM's handler exists
 # (a "pdserve.*" logger there has none, and its INFO lines were lost).
@@ -98,6 +99,8 @@ IN_STEP_TIMEOUT_S = 10.0
 # On the metadata the scheduler sends a step's workers: the requests whose reads are in the step.
 _IN_STEP = "pdserve_in_step"
 _MAX_PEERS = 1024  # prefill engines remembered as read from (a restarted one has a new id)
+# On the metadata: the prefill legs whose held blocks are to be freed (RELEASE_HELD).
+_RELEASE = "pdserve_release"
 
 
 class SideChannelTaken(RuntimeError):
@@ -157,6 +160,10 @@ class PDCpuNixlConnector(NixlPullConnector):
         self._in_step_next: set[str] = set()
         self._in_step_sent: set[str] = set()
         self._landed: dict[str, float] = {}  # worker side: in-step reads landed this step
+        # Held blocks no decode will read (RELEASE_HELD). Scheduler side: the legs named since
+        # the last step; worker side: the engine's requests freed in this step.
+        self._releases: set[str] = set()
+        self._released: set[str] = set()
         if role != KVConnectorRole.WORKER or not current_platform.is_cpu():
             super().__init__(vllm_config, role, kv_cache_config)
             return
@@ -210,6 +217,8 @@ class PDCpuNixlConnector(NixlPullConnector):
         super().start_load_kv(forward_context, **kwargs)
         if in_step := getattr(self._connector_metadata, _IN_STEP, None):
             self._land(in_step, time.monotonic() + IN_STEP_TIMEOUT_S)
+        if legs := getattr(self._connector_metadata, _RELEASE, None):
+            self._release(legs)
 
     def _land(self, req_ids: set[str], deadline: float) -> None:
         """Wait until the reads of `req_ids` have landed or failed (vLLM reports a failure, and
@@ -255,7 +264,11 @@ class PDCpuNixlConnector(NixlPullConnector):
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         if self._wait_for_reads:
             self._until_reads_land(time.monotonic() + READ_WAIT_S)
-        return super().get_transfer_results(finished_req_ids)
+        results = super().get_transfer_results(finished_req_ids)
+        if self._released:  # as if their decodes had read them: the scheduler frees the blocks
+            results.finished_sending = set(results.finished_sending or ()) | self._released
+            self._released = set()
+        return results
 
     def _until_reads_land(self, deadline: float) -> None:
         """Poll the reads in flight until none is in progress, or the deadline."""
@@ -264,6 +277,31 @@ class PDCpuNixlConnector(NixlPullConnector):
             if not any(self._in_flight(handles) for handles in transfers.values()):
                 return
             time.sleep(_POLL_S)
+
+    # ---- held blocks no decode will read (a prefill leg aborted as it ended) ---------------
+
+    def _asks_release(self, request: Any) -> bool:
+        """Scheduler side: whether this request only names prefill legs whose held blocks are
+        to be freed (the worker sends it finished at once: vLLM's abort of a request that has
+        already finished does nothing, and its blocks would wait for their lease)."""
+        legs = (request.kv_transfer_params or {}).get(RELEASE_HELD)
+        if legs is None:
+            return False
+        self._releases.update(legs)
+        return True
+
+    def _release(self, legs: set[str]) -> None:
+        """Worker side: stop holding the blocks of these legs' finished prefills. The engine
+        names a request by its leg's id, a dash and 8 characters of its own
+        (vLLM's InputProcessor.assign_request_id). A leg still running is not held: its abort
+        frees it."""
+        worker = self.connector_worker
+        for req_id in [r for r in worker._reqs_to_send if r.rpartition("-")[0] in legs]:
+            del worker._reqs_to_send[req_id]
+            worker._reqs_to_process.discard(req_id)
+            self._released.add(req_id)
+            logger.info("freed the KV blocks of %s: its prefill's end never reached a "
+                        "controller, so no decode will read them", req_id)
 
     # ---- what a decode read moved (scheduler side), reported with the request's end --------
 
@@ -318,6 +356,9 @@ class PDCpuNixlConnector(NixlPullConnector):
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         meta = super().build_connector_meta(scheduler_output)
+        if self._releases:
+            setattr(meta, _RELEASE, self._releases)
+            self._releases = set()
         if self._in_step_next:
             setattr(meta, _IN_STEP, self._in_step_next)
             self._in_step_sent |= self._in_step_next
@@ -346,10 +387,14 @@ class PDCpuNixlConnector(NixlPullConnector):
             self._in_step_sent -= in_step
 
     def request_finished(self, request: Any, block_ids: Any):
+        if self._asks_release(request):
+            return False, None
         delay, params = super().request_finished(request, block_ids)
         return delay, self._with_read(request, params)
 
     def request_finished_all_groups(self, request: Any, block_ids: Any):
+        if self._asks_release(request):
+            return False, None
         delay, params = super().request_finished_all_groups(request, block_ids)
         return delay, self._with_read(request, params)
 

@@ -47,6 +47,12 @@ class Engine(Protocol):
         """Free KV blocks a prefill worker holds for a decode that will never run."""
         ...
 
+    async def release_held(self, request_ids: list[str]) -> None:
+        """Free the blocks this engine holds for these prefills' decodes, if they finished:
+        their ends never left this worker (aborted meanwhile), so no decode will read them.
+        After abort(): a prefill still running then is freed by it."""
+        ...
+
     def load(self) -> Load: ...
 
     async def check_health(self) -> None: ...
@@ -244,6 +250,8 @@ class VllmEngine:
         self.kv_block_bytes = block_bytes(self.vllm_config)
         self.max_seqs = self.vllm_config.scheduler_config.max_num_seqs or 0
         self.kv_events = event_source(args)
+        ktc = self.vllm_config.kv_transfer_config
+        self._frees_held = ktc is not None and ktc.kv_connector == CPU_CONNECTOR
 
     def generate(self, request_id, prompt_token_ids, sampling_params):
         prompt = {"type": "token", "prompt_token_ids": prompt_token_ids}
@@ -256,6 +264,14 @@ class VllmEngine:
         # vLLM's own path for "D rejected this request before admitting it": a pre-aborted
         # request whose connector hook tells the prefill engine to free the blocks.
         await self.llm.notify_kv_transfer_request_rejected(request_id, kv_transfer_params)
+
+    async def release_held(self, request_ids: list[str]) -> None:
+        # The same path into this engine's own connector (pdserve/kv/cpu_nixl.py), naming the
+        # legs; after abort() on the same socket, so a prefill that was still running is gone.
+        # vLLM's own NixlConnector (GPU hosts) has no such hook: there the lease frees them.
+        if self._frees_held and request_ids:
+            await self.llm.notify_kv_transfer_request_rejected(
+                f"{request_ids[0]}-release", {protocol.RELEASE_HELD: list(request_ids)})
 
     def load(self) -> Load:
         return self._stats.load

@@ -183,6 +183,10 @@ class PDWorker:
         # Decode legs whose task has not started: aborted now, their engine would never see
         # them, so the prefill worker's blocks must be released from here.
         self.unstarted: dict[tuple[int, str], dict] = {}
+        # Prefill legs whose last output has not been forwarded: aborted, their engine may have
+        # finished them already (holding their blocks for a decode) with that output on its way
+        # here, which the abort drops; vLLM's abort of a finished request frees nothing.
+        self.prefilling: set[tuple[int, str]] = set()
         self.stopped = asyncio.Event()
         self.engine_dead = False
         self.left = False  # unregistered from every controller
@@ -557,49 +561,58 @@ class PDWorker:
         self.tasks[key] = task
         if msg.phase == Phase.DECODE and isinstance(msg.kv_transfer_params, dict):
             self.unstarted[key] = msg.kv_transfer_params
+        elif msg.phase == Phase.PREFILL:
+            self.prefilling.add(key)
         task.add_done_callback(lambda _t: self._ended(key))
         self._others_changed()
 
     def _ended(self, key: tuple[int, str]) -> None:
         self.tasks.pop(key, None)
+        self.prefilling.discard(key)
         self._others_changed()
 
     async def _on_abort(self, i: int, request_ids: list[str]) -> None:
-        await self._end_in_engine(*self._cancel(i, request_ids))
+        await self._end_in_engine(self._cancel(i, request_ids))
 
-    def _cancel(self, i: int, request_ids: list[str]) -> tuple[list[str], list[tuple[str, dict]]]:
+    def _cancel(self, i: int, request_ids: list[str]) -> _Ending:
         """Cancel these legs of link i at once (none sends another output), and say what the
-        engine must still be told: the legs it runs, and the unstarted decode legs whose
-        prefill blocks it must release. Only this controller's own requests: another's ids are
-        not its to abort. An id named twice is cancelled once."""
+        engine must still be told (_Ending). Only this controller's own requests: another's
+        ids are not its to abort. An id named twice is cancelled once."""
         request_ids = list(dict.fromkeys(request_ids))
         owned = [rid for rid in request_ids if (i, rid) in self.tasks]
         for rid in owned:
             self.tasks.pop((i, rid)).cancel()
         unstarted = [(rid, kv) for rid in request_ids
                      if (kv := self.unstarted.pop((i, rid), None)) is not None]
-        return owned, unstarted
+        prefills = [rid for rid in owned if (i, rid) in self.prefilling]
+        self.prefilling.difference_update((i, rid) for rid in prefills)
+        return _Ending(owned, unstarted, prefills)
 
-    async def _end_in_engine(self, owned: list[str], unstarted: list[tuple[str, dict]]) -> None:
-        if owned:
-            await self.engine.abort(owned)
-        for rid, kv in unstarted:
+    async def _end_in_engine(self, ending: _Ending) -> None:
+        if ending.owned:
+            await self.engine.abort(ending.owned)
+        for rid, kv in ending.unstarted:
             await self.engine.release(rid, kv)
+        if ending.prefills:  # after the abort: one still running is freed by it
+            await self.engine.release_held(ending.prefills)
 
     def _outputs_dropped(self, i: int, outs: list[Output]) -> None:
         """Outputs that never reached their controller (its queue was full): a later output of
         the same leg would leave a hole in the client's stream, so the legs end here, and the
         controller is told they failed (it moves them on, with what it did stream; if this
         cannot reach it either, its gap timeout does the same). An error that could not be
-        sent is not sent again."""
+        sent is not sent again. A prefill's last output dropped names blocks its controller
+        will never release: the engine frees them."""
         rids = list(dict.fromkeys(o.request_id for o in outs if o.error is None))
-        owned, unstarted = self._cancel(i, rids)
+        ending = self._cancel(i, rids)
+        ending.prefills += [o.request_id for o in outs if o.finished and o.kv_transfer_params
+                            and "remote_block_ids" in o.kv_transfer_params]
         for rid in rids:
             self._reply(i, Output(rid, [], finished=True, error_kind=ErrorKind.ENGINE,
                                   error="its outputs to the controller were dropped (the "
                                         "controller's queue was full)"))
-        if owned or unstarted:
-            self._spawn(self._end_in_engine(owned, unstarted))
+        if ending.owned or ending.unstarted:
+            self._spawn(self._end_in_engine(ending))
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
@@ -635,6 +648,8 @@ class PDWorker:
                     out.timings, first = handoff_times(received, ro), False
                 self._reply(i, out)
                 finished = ro.finished
+                if finished:  # its controller has the prefill's blocks to release, if need be
+                    self.prefilling.discard((i, rid))
                 now = time.monotonic()
                 if last:  # a decode step of this stream
                     self._steps.add(now - last, len(self.tasks))
@@ -652,6 +667,17 @@ class PDWorker:
                                   error_kind=kind))
             if kind == ErrorKind.DEAD:
                 await self._engine_died(e)
+
+
+@dataclass
+class _Ending:
+    """What the engine must still be told of legs cancelled here: the legs it runs, the
+    unstarted decode legs whose prefill blocks it must release, and the prefill legs whose
+    last output was not forwarded (their blocks may be held for a decode: release_held)."""
+
+    owned: list[str]
+    unstarted: list[tuple[str, dict]]
+    prefills: list[str]
 
 
 # The engine refused the request itself (e.g. VLLMClientError: an out-of-vocabulary token id):

@@ -87,6 +87,19 @@ async def test_abort_between_prefill_and_decode_releases_the_prefill_blocks(clus
     assert len(p.engine.served) == 2
 
 
+async def test_a_prefill_aborted_as_its_engine_finishes_it_frees_its_blocks(cluster):
+    # The engine has finished the prefill and holds its blocks for a decode; its last output,
+    # which names them, is still on its way to the worker when the abort comes. vLLM's abort
+    # of a finished request frees nothing, and the controller never hears of the blocks.
+    p, = await cluster.add("prefill", last_output_delay=0.3)
+    await cluster.add("decode")
+    task = asyncio.create_task(_client(cluster, "h1", PROMPT, None, "abort"))
+    await wait_until(lambda: p.engine.held_blocks() > 0, what="the prefill to end in its engine")
+    await cluster.controller.abort("h1")
+    assert await asyncio.wait_for(task, 2) in ("abort", "ended")
+    await cluster.assert_clean()  # its blocks too, long before their hold would time out
+
+
 async def test_abort_mid_decode_frees_the_decode_worker(cluster):
     await cluster.add("prefill")
     d, = await cluster.add("decode", decode_delay=0.01)

@@ -146,6 +146,19 @@ async def test_a_decode_whose_outputs_were_dropped_is_migrated_without_a_hole(cl
     await cluster.assert_clean()  # the leg was aborted in d1's engine too
 
 
+async def test_a_prefill_whose_last_output_was_dropped_has_its_blocks_freed(cluster):
+    # That output names the blocks its engine holds for a decode: the controller never sees it.
+    p, = await cluster.add("prefill")
+    await cluster.add("decode")
+    [link] = p.links.values()
+    link.sock = DropsOneBatch(link.sock, after=0)
+    params = greedy(8)
+    outs = await cluster.run(PROMPT, params)
+    assert link.sock.dropped == 1 and len(p.engine.served) == 2  # tried again
+    assert final_tokens(outs) == fake.reference(PROMPT, params).token_ids
+    await cluster.assert_clean()  # the first attempt's blocks too
+
+
 async def test_stalled_decode_is_timed_out_and_migrated(make_cluster):
     c = await make_cluster(settings=fast_settings(token_timeout=0.5))
     await c.add("prefill")

@@ -28,6 +28,8 @@ CONCURRENCY = 24
 LENGTHS = [3, 40, 127, 128, 129, 260, 520, 900, 1500]
 EXPIRED = "Releasing expired KV blocks"  # vLLM's NIXL sender, when a block lease runs out
 LEASE_S = 30  # vLLM's default kv_lease_duration, which pdserve does not change
+# pdserve's connector, when a prefill worker has it free the blocks of a leg aborted as it ended
+FREED = "its prefill's end never reached a controller"
 
 
 @dataclass
@@ -233,6 +235,9 @@ def test_random_aborts_free_every_block(pd_server, pd_client, ref_client, model_
     # lease runs out, which vLLM logs. Wait out a whole lease after the last abort.
     time.sleep(max(0.0, ended + LEASE_S + 8 - time.monotonic()))
     settle(base, model_dir, idle, 20, "both engines idle after a lease")
-    expired = [ln for ln in pd_server.proc.log()[log_start:].splitlines() if EXPIRED in ln]
+    log = pd_server.proc.log()[log_start:].splitlines()
+    freed = sum(FREED in ln for ln in log)
+    print(f"prefill blocks freed at their worker's word (aborted as they ended): {freed}")
+    expired = [ln for ln in log if EXPIRED in ln]
     print(f"prefill blocks released by lease expiry: {len(expired)}")
     assert not expired, "\n".join(expired[:10])
