@@ -457,7 +457,8 @@ async def _run_worker(args) -> int:
                          keys=keys, heartbeat_interval=args.heartbeat_interval, info=info,
                          discovery_interval=args.discovery_interval,
                          drain_timeout=args.drain_timeout, decode_delay=args.decode_delay,
-                         prefill_delay_per_token=args.prefill_delay_per_token)
+                         prefill_delay_per_token=args.prefill_delay_per_token,
+                         max_seqs=args.max_seqs)
     stop_on_signals(worker)  # as a real worker: the first signal drains, a second stops
     try:
         await worker.run()
@@ -480,6 +481,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="report the EngineInfo of a controller on this model folder")
     w.add_argument("--decode-delay", type=float, default=0.0)
     w.add_argument("--prefill-delay-per-token", type=float, default=0.0)
+    w.add_argument("--max-seqs", type=int, default=0,
+                   help="requests the engine runs at once, reported as vLLM's --max-num-seqs "
+                        "(0: no limit, none reported)")
     w.add_argument("--heartbeat-interval", type=float, default=1.0)
     w.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds a draining worker waits for in-flight requests")

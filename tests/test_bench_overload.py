@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
 from pdserve.bench import overload
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -39,8 +41,14 @@ def test_responses_are_classified():
     assert rows["in_stream_errors"] == 1
 
 
-def test_a_brief_overload_is_refused_with_429_and_the_pool_serves_afterwards(tmp_path):
-    args = overload.make_parser().parse_args(["--duration", "5", "--after-duration", "3"])
+# The controller's own cap, or (as over real engines, with the cap far above) the decode
+# engine's slots: 10x of 4 at once for 5 s is ~200 requests, none refused if the slots were
+# not counted.
+@pytest.mark.parametrize("limit", [[], ["--max-seqs", "4", "--max-inflight", "512"]],
+                         ids=["max-inflight", "decode-slots"])
+def test_a_brief_overload_is_refused_with_429_and_the_pool_serves_afterwards(tmp_path, limit):
+    args = overload.make_parser().parse_args(["--duration", "5", "--after-duration", "3",
+                                              *limit])
     res = overload.run(args, tmp_path)
     over, after = res["rows"]
     assert over["served"] > 0 and over["refused"] > 0, over

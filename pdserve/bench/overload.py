@@ -2,7 +2,9 @@
 
 A controller (`--max-inflight`, `--max-queued`) over fake workers (pdserve.fake) whose decode
 takes `--output-len` x `--decode-delay` seconds, so its capacity is max_inflight / that time
-(requests per second). Phase `overload` offers `--factor` x capacity (Poisson arrivals, streaming
+(requests per second); with `--max-seqs`, fake engines that run that many requests at once and
+say so, as real ones do, the controller admits no more than their slots (its default
+configuration over real engines), and the capacity is the smaller of the two / that time. Phase `overload` offers `--factor` x capacity (Poisson arrivals, streaming
 completions) for `--duration` seconds; once the controller's line has drained, phase `after`
 offers `--after-factor` x capacity. Each response is served (200, whole stream), refused (429),
 timed out in the line (503 from admission control) or failed (anything else); the controller's
@@ -34,6 +36,9 @@ def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve bench overload", description=__doc__.split("\n")[0])
     p.add_argument("--max-inflight", type=int, default=8, help="the controller's --max-inflight")
     p.add_argument("--max-queued", type=int, default=32, help="the controller's --max-queued")
+    p.add_argument("--max-seqs", type=int, default=0,
+                   help="fake engines: requests run at once, reported as vLLM's --max-num-seqs "
+                        "(0: no limit)")
     p.add_argument("--queue-timeout", type=float, default=10.0)
     p.add_argument("--decode-delay", type=float, default=0.02, help="fake workers: s per token")
     p.add_argument("--output-len", type=int, default=50)
@@ -188,7 +193,7 @@ async def drive(base: str, model: str, pid: int, args: argparse.Namespace) -> di
 
     rng = random.Random(args.seed)
     service = args.output_len * args.decode_delay
-    capacity = args.max_inflight / service
+    capacity = running_at_once(args) / service
 
     def payloads():
         while True:
@@ -231,6 +236,7 @@ async def drive(base: str, model: str, pid: int, args: argparse.Namespace) -> di
     over = [v for _, p, v in rss if p == "overload"]
     middle = over[len(over) // 2] if over else rss_start
     return {"capacity_req_s": round(capacity, 2), "service_s": service,
+            "running_at_once": running_at_once(args),
             "rows": [summarize(results, "overload", args.duration),
                      summarize(results, "after", args.after_duration)],
             "skipped_by_client_bound": skipped, "drained_before_after_phase": drained,
@@ -241,10 +247,17 @@ async def drive(base: str, model: str, pid: int, args: argparse.Namespace) -> di
             "rss_samples": rss}
 
 
-def fake_workers(model: str, decode_delay: float) -> cluster.WorkerCmd:
+def running_at_once(args: argparse.Namespace) -> int:
+    """Requests the controller lets run at once: --max-inflight, or the decode worker's slots
+    when fewer."""
+    return min(args.max_inflight, args.max_seqs) if args.max_seqs else args.max_inflight
+
+
+def fake_workers(model: str, decode_delay: float, max_seqs: int) -> cluster.WorkerCmd:
     def cmd(role: str, controller: str, core: str | None, keys: str | None) -> list[str]:
         return [sys.executable, "-m", "pdserve.fake", "worker", "--role", role, "--controller",
-                controller, "--model", model, "--decode-delay", str(decode_delay)]
+                controller, "--model", model, "--decode-delay", str(decode_delay),
+                "--max-seqs", str(max_seqs)]
     return cmd
 
 
@@ -254,7 +267,8 @@ def run(args: argparse.Namespace, out: Path) -> dict[str, Any]:
            "--queue-timeout", str(args.queue_timeout)]
     cfg = cluster.Config("overload", prefill=1, decode=1)
     with cluster.PdDeployment(cfg, model, out, keys=False, controller_args=ctl,
-                              worker_cmd=fake_workers(model, args.decode_delay)) as dep:
+                              worker_cmd=fake_workers(model, args.decode_delay,
+                                                      args.max_seqs)) as dep:
         base = dep.start(args.start_timeout)
         pid = dep.groups()["controller"]
         return asyncio.run(drive(base, model, pid, args))
@@ -263,7 +277,8 @@ def run(args: argparse.Namespace, out: Path) -> dict[str, Any]:
 def markdown(res: dict[str, Any]) -> str:
     r = res["rss_mib"]
     rows = res["rows"]
-    capacity = (f"- capacity: {res['capacity_req_s']} req/s (max-inflight / "
+    capacity = (f"- capacity: {res['capacity_req_s']} req/s (requests run at once: "
+                f"{res['running_at_once']}, the smaller of max-inflight and the decode slots / "
                 f"{res['service_s']:g} s per request)")
     head = ("| phase | offered (req/s) | served | refused 429 | queue timeout 503 | failed "
             "| refusal p50 / p99 (ms) | served p50 / p99 (ms) |")
