@@ -11,10 +11,11 @@ This subclass is loaded through vLLM's out-of-tree hook (``kv_connector_module_p
 CPU platform it builds the agent with a progress thread that sleeps between polls, puts the
 thread affinity back to what the engine had, posts each step's reads before its forward rather
 than after, and reads a prompt's KV into an idle decode engine inside the step that computes
-its next position. On every platform it fails the engine's start
-when its side-channel port is taken (vLLM would wait for it for good), caps a decode read at
-what the prefill computed, reports what each read moved and frees, when its worker asks, the
-blocks of a prefill whose end never reached a controller.
+its next position. On any platform it is loaded on (pdserve loads it on CPU hosts; GPU hosts
+get vLLM's NixlConnector) it fails the engine's start when its side-channel port is taken
+(vLLM would wait for it for good), caps a decode read at what the prefill computed, reports
+what each read moved and frees, when its worker asks, the blocks of a prefill whose end never
+reached a controller.
 """
 
 from __future__ import annotations
