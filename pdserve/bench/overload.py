@@ -2,13 +2,14 @@
 
 A controller (`--max-inflight`, `--max-queued`) over fake workers (pdserve.fake) whose decode
 takes `--output-len` x `--decode-delay` seconds, so its capacity is max_inflight / that time
-(requests per second); with `--max-seqs`, fake engines that run that many requests at once and
-say so, as real ones do, the controller admits no more than their slots (its default
-configuration over real engines), and the capacity is the smaller of the two / that time. Phase `overload` offers `--factor` x capacity (Poisson arrivals, streaming
-completions) for `--duration` seconds; once the controller's line has drained, phase `after`
-offers `--after-factor` x capacity. Each response is served (200, whole stream), refused (429),
-timed out in the line (503 from admission control) or failed (anything else); the controller's
-RSS is read from /proc throughout. Not a timed test: it prints figures.
+(requests per second). With `--max-seqs` the fake engines run that many requests at once and
+say so, as real ones do: the controller admits no more than their slots (its default over real
+engines), and the capacity is the smaller of the two / that time. Phase `overload` offers
+`--factor` x capacity (Poisson arrivals, streaming completions) for `--duration` seconds; once
+the controller's line has drained, phase `after` offers `--after-factor` x capacity. Each
+response is served (200, whole stream), refused (429), timed out in the line (503 from admission
+control) or failed (anything else); the controller's RSS is read from /proc throughout. Not a
+timed test: it prints figures.
 """
 
 from __future__ import annotations

@@ -611,7 +611,7 @@ class PDWorker:
             self._reply(i, Output(rid, [], finished=True, error_kind=ErrorKind.ENGINE,
                                   error="its outputs to the controller were dropped (the "
                                         "controller's queue was full)"))
-        if ending.owned or ending.unstarted:
+        if ending.owned or ending.unstarted or ending.prefills:
             self._spawn(self._end_in_engine(ending))
 
     def _spawn(self, coro) -> None:
