@@ -49,6 +49,10 @@ class PDController(EngineClient):
         self.admission = Admission(self.settings.max_inflight, self.settings.max_queued,
                                    self.settings.queue_timeout, slots=self._decode_slots)
         pool.watch(lambda _event, _worker: self.admission.refresh())
+        # Whether the pool had a prefill worker at the last change (None: not yet one), for
+        # the log of the prefill fallback's start and end.
+        self._had_prefill: bool | None = None
+        pool.watch(lambda _event, _worker: self._log_prefill_side())
         self.metrics.watch_admission(self.admission)
         self.active: dict[str, list[Sequence]] = {}
         # With placement "slo": the controller's Planning (server.py), which places requests.
@@ -67,11 +71,7 @@ class PDController(EngineClient):
         if self._closing:
             self.metrics.rejected("shutting_down")
             raise ShuttingDown()
-        # With local prefill on (or placement by the SLO, which then serves every request
-        # local), a pool of decode workers alone can serve.
-        sides = ((Role.DECODE,) if self.settings.local_prefill_threshold or self.placer
-                 else (Role.PREFILL, Role.DECODE))
-        for side in sides:
+        for side in self._needed_sides():
             # A suspect worker may be back in a moment: the request waits for it (queue timeout).
             if not self.pool.registry.ready(side, suspect=True):
                 self.metrics.rejected_no_worker(side.label)
@@ -82,6 +82,33 @@ class PDController(EngineClient):
         except Refused as e:
             self.metrics.rejected(e.reason)
             raise
+
+    def _needed_sides(self) -> tuple[Role, ...]:
+        """The roles without which the pool cannot serve: with the prefill fallback or local
+        prefill on (or placement by the SLO, which then serves every request local), decode
+        workers alone can."""
+        s = self.settings
+        if s.prefill_fallback or s.local_prefill_threshold or self.placer:
+            return (Role.DECODE,)
+        return (Role.PREFILL, Role.DECODE)
+
+    def _log_prefill_side(self) -> None:
+        """Say when the pool loses its last prefill worker, and when one is back: in between,
+        decode workers prefill every request themselves (or requests wait for one)."""
+        has = bool(self.pool.registry.ready(Role.PREFILL, suspect=True))
+        had = self._had_prefill
+        if has == bool(had):  # no change (a pool still starting has had none)
+            return
+        self._had_prefill = has
+        if has:
+            if had is False:
+                logger.info("a prefill worker is ready again: prompts go to prefill workers")
+        elif self.settings.prefill_fallback:
+            logger.warning("no prefill worker is left: decode workers prefill new requests "
+                           "themselves until one is ready (seeded ones wait for it)")
+        else:
+            logger.warning("no prefill worker is left: new requests wait for one, up to "
+                           "--queue-timeout")
 
     def _decode_slots(self) -> Slots | None:
         """Streams the ready decode workers' engines run at once, and those other controllers
@@ -179,7 +206,7 @@ class PDController(EngineClient):
     async def check_health(self) -> None:
         if self._closing:  # load balancers and readiness probes stop sending here
             raise EngineDeadError()
-        missing = [side.label for side in (Role.PREFILL, Role.DECODE)
+        missing = [side.label for side in self._needed_sides()
                    if not self.pool.registry.ready(side)]
         if missing:
             logger.warning("health: no ready %s worker", " or ".join(missing))

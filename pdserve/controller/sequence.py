@@ -84,6 +84,9 @@ class Settings:
     # fewer than this many tokens left to compute, is prefilled there: the handoff is skipped.
     skip_handoff_below: int = 0
     queue_timeout: float = 60.0  # how long to wait for a worker of a needed role to appear
+    # With no prefill worker in the pool (none ready, none suspect: all drained, restarting or
+    # gone), a decode worker prefills a request itself rather than the request waiting for one.
+    prefill_fallback: bool = True
     prefill_timeout: float = 300.0
     token_timeout: float = 60.0  # decode's first token (incl. the KV pull) and each later gap
     max_retries: int = 2  # failed legs (prefill retries + decode migrations) per sequence
@@ -101,10 +104,16 @@ class WorkerFailed(Exception):
     """A worker reported an engine error for a leg (another worker may succeed)."""
 
 
+class _NoPrefillWorker(Exception):
+    """Raised while waiting for a prefill worker when the pool has none left and the decode
+    worker may prefill the request itself (`Settings.prefill_fallback`); never leaves run()."""
+
+
 class _Aborted(Exception):
     """Raised inside a sequence that abort() ended while it was running; never leaves run()."""
 
 
+NO_PREFILL = "no_prefill_worker"  # the route's reason when the fallback served it
 _ABORTED = object()  # put on a leg's queue to wake its reader when the sequence is aborted
 _CHECK = object()  # put on a leg's queue by its reader's timer: time to check for a timeout
 
@@ -279,6 +288,8 @@ class Sequence:
             ready = self.pool.registry.ready(side)
             if ready:
                 return ready
+            if side == Role.PREFILL and self._falls_back():
+                raise _NoPrefillWorker()
             left = deadline - time.monotonic()
             if left <= 0:
                 raise NoWorkerAvailable(side, self.s.queue_timeout)
@@ -306,6 +317,10 @@ class Sequence:
         self._reserve(d)
         try:
             async for _ in self._disaggregated(a, d, p, reason):
+                yield
+        except _NoPrefillWorker:  # the last one left while this request waited for it
+            self._unreserve()
+            async for _ in self._local(a, d, NO_PREFILL):
                 yield
         finally:
             self._unreserve()
@@ -371,7 +386,15 @@ class Sequence:
             return "short"
         if d_cached and len(a.ctx) - d_cached < self.s.skip_handoff_below:
             return "cached"
+        if self._falls_back():
+            return NO_PREFILL
         return ""
+
+    def _falls_back(self) -> bool:
+        """The pool has no prefill worker, not even one late with its heartbeat, and this
+        request's decode worker may prefill it (not a seeded one: module docstring)."""
+        return (self.s.prefill_fallback and not own_draw(self.params)
+                and not self.pool.registry.ready(Role.PREFILL, suspect=True))
 
     async def _local(self, a: _Plan, d: Worker, reason: str) -> AsyncIterator[None]:
         self.state = State.LOCAL

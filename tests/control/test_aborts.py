@@ -6,7 +6,7 @@ import asyncio
 import random
 
 import pytest
-from fakepool import cancelled_after, final_tokens, greedy, wait_until
+from fakepool import cancelled_after, fast_settings, final_tokens, greedy, wait_until
 
 from pdserve import fake
 
@@ -37,7 +37,8 @@ async def _client(c, rid: str, prompt: list[int], after: int | None, how: str) -
         await agen.aclose()
 
 
-async def test_abort_while_queued_ends_at_once(cluster):
+async def test_abort_while_queued_ends_at_once(make_cluster):
+    cluster = await make_cluster(settings=fast_settings(prefill_fallback=False))
     await cluster.add("decode")  # no prefill worker: the request waits for one
     task = asyncio.create_task(cluster.run(PROMPT, greedy(4)))
     await asyncio.sleep(0.1)
@@ -48,7 +49,8 @@ async def test_abort_while_queued_ends_at_once(cluster):
     await cluster.assert_clean()
 
 
-async def test_a_request_cancelled_as_the_pool_changes_while_it_waits_ends(cluster):
+async def test_a_request_cancelled_as_the_pool_changes_while_it_waits_ends(make_cluster):
+    cluster = await make_cluster(settings=fast_settings(prefill_fallback=False))
     await cluster.add("decode")  # no prefill worker: the request waits for the pool to change
 
     async def request():

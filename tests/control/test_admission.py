@@ -420,22 +420,26 @@ async def test_a_request_that_waits_out_the_queue_timeout_gets_503_with_retry_af
     await c.assert_clean()
 
 
+@pytest.mark.parametrize("fallback", [True, False])
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_pool_without_a_ready_worker_answers_503_with_the_role_and_retry_after(
-        http, vllm_config, stream):
+        http, vllm_config, stream, fallback):
     """A request before the workers are up (a pool starting) or after the last of a role left:
-    503 naming the role, with Retry-After, before any stream begins."""
+    503 naming the role, with Retry-After, before any stream begins. Decode workers alone
+    serve, unless the prefill fallback is off."""
     from pdserve.errors import NO_WORKER_RETRY_AFTER_S
 
     model = vllm_config.model_config.model
-    c, client = await http(fast_settings())
+    c, client = await http(fast_settings(prefill_fallback=fallback))
     r = await client.post("/v1/completions", json=body(model, stream=stream))
     assert r.status_code == 503, r.text
     assert r.headers["retry-after"] == str(NO_WORKER_RETRY_AFTER_S)
-    assert "no prefill worker is available" in r.json()["error"]["message"]
-    await c.add("prefill")
-    r = await client.post("/v1/completions", json=body(model, stream=stream))
-    assert r.status_code == 503 and "no decode worker" in r.json()["error"]["message"]
+    missing = "decode" if fallback else "prefill"
+    assert f"no {missing} worker is available" in r.json()["error"]["message"]
+    if not fallback:
+        await c.add("prefill")
+        r = await client.post("/v1/completions", json=body(model, stream=stream))
+        assert r.status_code == 503 and "no decode worker" in r.json()["error"]["message"]
     await c.add("decode")
     r = await client.post("/v1/completions", json=body(model, max_tokens=4, stream=stream))
     assert r.status_code == 200, r.text

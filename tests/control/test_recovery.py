@@ -80,7 +80,8 @@ async def test_migrated_request_keeps_logprobs_and_stops_where_one_engine_stops(
     assert outs[-1].outputs[0].stop_reason == ref.token_ids[12]
 
 
-async def test_no_prefill_worker_is_a_503_not_a_hang(cluster):
+async def test_no_prefill_worker_is_a_503_not_a_hang_with_the_fallback_off(make_cluster):
+    cluster = await make_cluster(settings=fast_settings(prefill_fallback=False))
     p, = await cluster.add("prefill")
     await cluster.add("decode")
     await cluster.kill(p.worker_id)

@@ -223,8 +223,9 @@ def test_prefill_engine_killed_under_load_and_serve_replaces_the_worker(pd_serve
                                                                         ref_client, model_dir,
                                                                         engine_shm):
     """kill -9 of the engine core of the pool's only prefill worker, with requests in flight:
-    each request completes or fails with a clear error, never short; `pdserve serve` starts a
-    new worker and serving resumes. The timeline is printed."""
+    each request completes or fails with a clear error, never short; while the pool has no
+    prefill worker the decode worker prefills requests itself (none is refused); `pdserve serve`
+    starts a new worker and serving resumes. The timeline is printed."""
     [p] = [x for x in get_json(pd_server.base + "/pd/workers")
            if x["role"] == "prefill" and x["state"] == "ready"]
     results: list = []
@@ -236,14 +237,15 @@ def test_prefill_engine_killed_under_load_and_serve_replaces_the_worker(pd_serve
         while not stop.is_set():
             i += 1
             seed = 16_000 + 100 * k + i
+            start = time.monotonic()
             try:
                 ours, _ = complete(pd_client, model_dir, prompt_ids(400, seed), max_tokens=32,
                                    temperature=0)
                 if len(ours[0][1]) < 32:
                     ended_early[seed] = ours
-                results.append(("ok", time.monotonic()))
+                results.append(("ok", start, time.monotonic()))
             except Exception as e:  # noqa: BLE001 - counted below
-                results.append((f"error {type(e).__name__}: {e}", time.monotonic()))
+                results.append((f"error {type(e).__name__}: {e}", start, time.monotonic()))
                 time.sleep(0.5)
 
     threads = [threading.Thread(target=client_loop, args=(k,)) for k in range(4)]
@@ -260,7 +262,7 @@ def test_prefill_engine_killed_under_load_and_serve_replaces_the_worker(pd_serve
                              for x in get_json(pd_server.base + "/pd/workers")), 400,
                  "a new prefill worker")
         t_back = time.monotonic()
-        ok_after = lambda: sum(1 for r, t in results if r == "ok" and t > t_back)  # noqa: E731
+        ok_after = lambda: sum(1 for r, _, t in results if r == "ok" and t > t_back)  # noqa: E731
         wait_for(lambda: ok_after() >= 8, 120, "requests served by the new prefill worker")
     finally:
         stop.set()
@@ -271,14 +273,18 @@ def test_prefill_engine_killed_under_load_and_serve_replaces_the_worker(pd_serve
     short = [seed for seed, ours in ended_early.items()
              if ours != complete(ref_client, model_dir, prompt_ids(400, seed), max_tokens=32,
                                  temperature=0)[0]]
-    outcomes = [r for r, _ in results]
+    outcomes = [r for r, _, _ in results]
     errors = sorted({r for r in outcomes if r.startswith("error")})
+    # Sent after the pool had lost its only prefill worker, ended before the new one was ready.
+    between = [r for r, t0, t1 in results if t_left < t0 and t1 < t_back]
     print(f"\nprefill engine killed at t=0: worker left the pool at +{t_left - t_kill:.1f} s, "
           f"new worker ready at +{t_back - t_kill:.1f} s; requests: "
           f"{outcomes.count('ok') - len(short)} whole, {len(short)} short, "
           f"{len(outcomes) - outcomes.count('ok')} failed "
-          f"({'; '.join(e[:120] for e in errors) or 'none'})")
+          f"({'; '.join(e[:120] for e in errors) or 'none'}); {between.count('ok')} of "
+          f"{len(between)} sent with no prefill worker in the pool were served")
     assert not short
+    assert between and set(between) == {"ok"}
     assert "exited with code 4" in pd_server.proc.log()
     assert all(_clear(e) for e in errors)
 

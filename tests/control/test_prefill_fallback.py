@@ -1,0 +1,128 @@
+"""A pool that lost its last prefill worker keeps serving: the decode worker prefills itself.
+
+A drained, restarting or dead prefill worker used to leave every new request waiting for one
+(then 503) while the decode workers idled. Now the decode worker is given the whole request
+(the local path), unless the request is seeded (its local prefill could kill a CPU engine, see
+sequence.py) or the operator turned the fallback off. A suspect prefill worker (late with its
+heartbeats) is still waited for: it may be back in a moment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+from fakepool import fast_settings, final_tokens, greedy, wait_until
+from test_liveness import mute, state
+from vllm import SamplingParams
+
+from pdserve import fake
+from pdserve.controller.sequence import NO_PREFILL
+from pdserve.errors import NoWorkerAvailable
+
+PROMPT = list(range(700, 740))
+
+
+def routes(c, reason: str) -> float:
+    return c.controller.metrics.registry.get_sample_value(
+        "pdserve_routes_total", {"path": "local", "reason": reason}) or 0.0
+
+
+async def test_a_pool_of_decode_workers_alone_serves_every_request(cluster):
+    d, = await cluster.add("decode")
+    for i in range(3):
+        outs = await cluster.run(PROMPT + [i], greedy(6))
+        assert final_tokens(outs) == fake.reference(PROMPT + [i], greedy(6)).token_ids
+    assert len(d.engine.served) == 3 and d.engine.kv_reads == 0
+    assert routes(cluster, NO_PREFILL) == 3
+    await cluster.assert_clean()
+
+
+async def test_requests_fall_back_while_the_prefill_worker_drains_and_not_after_one_is_back(
+        cluster, caplog):
+    caplog.set_level(logging.INFO, "pdserve.controller.client")
+    p1, = await cluster.add("prefill")
+    d, = await cluster.add("decode")
+    await cluster.run(PROMPT, greedy(4))
+    assert len(p1.engine.served) == 1
+    drain = asyncio.create_task(p1.drain())
+    await wait_until(lambda: not cluster.is_ready(p1.worker_id), what="p1 draining")
+    for i in range(3):
+        outs = await cluster.run(PROMPT + [i], greedy(5))
+        assert final_tokens(outs) == fake.reference(PROMPT + [i], greedy(5)).token_ids
+    assert len(p1.engine.served) == 1 and d.engine.kv_reads == 1
+    await asyncio.wait_for(drain, 10)
+    p2, = await cluster.add("prefill")
+    await cluster.run(PROMPT, greedy(4))
+    assert len(p2.engine.served) == 1 and d.engine.kv_reads == 2  # disaggregated again
+    assert routes(cluster, NO_PREFILL) == 3
+    said = [r.getMessage() for r in caplog.records if "prefill worker" in r.getMessage()]
+    assert len(said) == 2, said  # once as the fallback began, once as it ended
+    assert "decode workers prefill new requests themselves" in said[0]
+    assert "ready again" in said[1]
+    await cluster.assert_clean()
+
+
+async def test_a_request_waiting_for_a_suspect_prefill_worker_falls_back_when_it_is_dead(
+        make_cluster):
+    c = await make_cluster(settings=fast_settings(queue_timeout=10.0), missed=5)
+    p, = await c.add("prefill")
+    d, = await c.add("decode")
+    mute(c, p)
+    await wait_until(lambda: state(c, p.worker_id) == "suspect", 5, "p suspect")
+    req = asyncio.create_task(c.run(PROMPT, greedy(5)))
+    await wait_until(lambda: bool(c.controller.active), what="the request to wait")
+    await asyncio.sleep(0.2)
+    assert not req.done() and d.engine.served == []  # a suspect may be back: it waits
+    await c.kill(p.worker_id)
+    await wait_until(lambda: state(c, p.worker_id) == "dead", 10, "p dead")
+    outs = await asyncio.wait_for(req, 5)
+    assert final_tokens(outs) == fake.reference(PROMPT, greedy(5)).token_ids
+    assert p.engine.served == [] and len(d.engine.served) == 1
+    assert routes(c, NO_PREFILL) == 1
+    await c.assert_clean()
+
+
+async def test_a_seeded_request_waits_for_a_prefill_worker(cluster):
+    d, = await cluster.add("decode")
+    seeded = SamplingParams(max_tokens=5, temperature=1.0, seed=7, ignore_eos=True,
+                            output_kind=greedy().output_kind)
+    req = asyncio.create_task(cluster.run(PROMPT, seeded))
+    await wait_until(lambda: bool(cluster.controller.active), what="the request to wait")
+    await asyncio.sleep(0.2)
+    assert not req.done() and d.engine.served == []
+    p, = await cluster.add("prefill")
+    outs = await asyncio.wait_for(req, 5)
+    assert final_tokens(outs) == fake.reference(PROMPT, seeded).token_ids
+    assert len(p.engine.served) == 1 and d.engine.kv_reads == 1
+    await cluster.assert_clean()
+
+
+async def test_with_the_fallback_off_a_request_waits_for_a_prefill_worker_then_fails(
+        make_cluster):
+    c = await make_cluster(settings=fast_settings(prefill_fallback=False, queue_timeout=0.5))
+    d, = await c.add("decode")
+    with pytest.raises(NoWorkerAvailable, match="no prefill worker"):
+        await c.run(PROMPT, greedy(4))
+    assert d.engine.served == []
+    await c.assert_clean()
+
+
+@pytest.mark.parametrize("fallback", [True, False])
+async def test_admission_and_health_need_a_prefill_worker_only_without_the_fallback(
+        make_cluster, fallback):
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    from pdserve.errors import NoWorkerReady
+
+    c = await make_cluster(settings=fast_settings(prefill_fallback=fallback))
+    await c.add("decode")
+    if fallback:  # a probe must not take the controller out of service while it can serve
+        c.controller.check_admission()
+        await c.controller.check_health()
+        return
+    with pytest.raises(NoWorkerReady, match="no prefill worker"):
+        c.controller.check_admission()
+    with pytest.raises(EngineDeadError):
+        await c.controller.check_health()
