@@ -86,7 +86,8 @@ class Metrics:
                              "Sequences prefilled on their decode worker (no handoff)", registry=r)
         self.routes = Counter("pdserve_routes", "Completed sequences by path (local, "
                               "disaggregated) and why local: short (little to compute), cached "
-                              "(the decode worker held most of it: a handoff skipped)",
+                              "(the decode worker held most of it: a handoff skipped), auto, "
+                              "no_prefill_worker (none in the pool)",
                               ["path", "reason"], registry=r)
         self.cached_tokens = Counter("pdserve_prefix_cached_tokens", "Prompt tokens the "
                                      "engines had in their prefix caches, as they reported, by "
