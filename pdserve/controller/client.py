@@ -49,10 +49,10 @@ class PDController(EngineClient):
         self.admission = Admission(self.settings.max_inflight, self.settings.max_queued,
                                    self.settings.queue_timeout, slots=self._decode_slots)
         pool.watch(lambda _event, _worker: self.admission.refresh())
-        # Whether the pool had a prefill worker at the last change (None: not yet one), for
-        # the log of the prefill fallback's start and end.
-        self._had_prefill: bool | None = None
-        pool.watch(lambda _event, _worker: self._log_prefill_side())
+        # Whether the pool had a worker of each role at the last change (absent: not yet one),
+        # for the log of the fallback's start and end.
+        self._had: dict[Role, bool] = {}
+        pool.watch(lambda _event, _worker: self._log_sides())
         self.metrics.watch_admission(self.admission)
         self.active: dict[str, list[Sequence]] = {}
         # With placement "slo": the controller's Planning (server.py), which places requests.
@@ -71,11 +71,11 @@ class PDController(EngineClient):
         if self._closing:
             self.metrics.rejected("shutting_down")
             raise ShuttingDown()
-        for side in self._needed_sides():
-            # A suspect worker may be back in a moment: the request waits for it (queue timeout).
-            if not self.pool.registry.ready(side, suspect=True):
-                self.metrics.rejected_no_worker(side.label)
-                raise NoWorkerReady(side)
+        # A suspect worker may be back in a moment: the request waits for it (queue timeout).
+        missing = self._missing_role(suspect=True)
+        if missing is not None:
+            self.metrics.rejected_no_worker(missing.label)
+            raise NoWorkerReady(missing)
         # Likewise a full admission queue is a real 429 (with Retry-After, see server.py).
         try:
             self.admission.check(n)
@@ -83,32 +83,41 @@ class PDController(EngineClient):
             self.metrics.rejected(e.reason)
             raise
 
-    def _needed_sides(self) -> tuple[Role, ...]:
-        """The roles without which the pool cannot serve: with the prefill fallback or local
-        prefill on (or placement by the SLO, which then serves every request local), decode
-        workers alone can."""
-        s = self.settings
-        if s.prefill_fallback or s.local_prefill_threshold or self.placer:
-            return (Role.DECODE,)
-        return (Role.PREFILL, Role.DECODE)
+    def _missing_role(self, suspect: bool) -> Role | None:
+        """The role whose absence stops the pool from serving (None: it can serve). With the
+        fallback a worker of either role can serve a request whole; with local prefill
+        on (or placement by the SLO, which then serves every request local), decode workers
+        alone can."""
+        def has(side: Role) -> bool:
+            return bool(self.pool.registry.ready(side, suspect=suspect))
 
-    def _log_prefill_side(self) -> None:
-        """Say when the pool loses its last prefill worker, and when one is back: in between,
-        decode workers prefill every request themselves (or requests wait for one)."""
-        has = bool(self.pool.registry.ready(Role.PREFILL, suspect=True))
-        had = self._had_prefill
-        if has == bool(had):  # no change (a pool still starting has had none)
-            return
-        self._had_prefill = has
-        if has:
-            if had is False:
-                logger.info("a prefill worker is ready again: prompts go to prefill workers")
-        elif self.settings.prefill_fallback:
-            logger.warning("no prefill worker is left: decode workers prefill new requests "
-                           "themselves until one is ready (seeded ones wait for it)")
-        else:
-            logger.warning("no prefill worker is left: new requests wait for one, up to "
-                           "--queue-timeout")
+        s = self.settings
+        if s.fallback:
+            return None if has(Role.DECODE) or has(Role.PREFILL) else Role.DECODE
+        needed = ((Role.DECODE,) if s.local_prefill_threshold or self.placer
+                  else (Role.PREFILL, Role.DECODE))
+        return next((side for side in needed if not has(side)), None)
+
+    def _log_sides(self) -> None:
+        """Say when the pool loses its last worker of a role, and when one is back: in between,
+        the workers of the other role serve requests whole (or requests wait for one)."""
+        for side, other in ((Role.PREFILL, Role.DECODE), (Role.DECODE, Role.PREFILL)):
+            has = bool(self.pool.registry.ready(side, suspect=True))
+            had = self._had.get(side)
+            if has == bool(had):  # no change (a pool still starting has had none)
+                continue
+            self._had[side] = has
+            if has:
+                if had is False:
+                    logger.info("a %s worker is ready again: requests are disaggregated again",
+                                side.label)
+            elif self.settings.fallback:
+                logger.warning("no %s worker is left: %s workers serve new requests whole "
+                               "until one is ready (seeded ones wait for it)", side.label,
+                               other.label)
+            else:
+                logger.warning("no %s worker is left: new requests wait for one, up to "
+                               "--queue-timeout", side.label)
 
     def _decode_slots(self) -> Slots | None:
         """Streams the ready decode workers' engines run at once, and those other controllers
@@ -206,10 +215,9 @@ class PDController(EngineClient):
     async def check_health(self) -> None:
         if self._closing:  # load balancers and readiness probes stop sending here
             raise EngineDeadError()
-        missing = [side.label for side in self._needed_sides()
-                   if not self.pool.registry.ready(side)]
-        if missing:
-            logger.warning("health: no ready %s worker", " or ".join(missing))
+        missing = self._missing_role(suspect=False)
+        if missing is not None:
+            logger.warning("health: no ready %s worker", missing.label)
             raise EngineDeadError()
 
     async def get_supported_tasks(self):

@@ -84,9 +84,10 @@ class Settings:
     # fewer than this many tokens left to compute, is prefilled there: the handoff is skipped.
     skip_handoff_below: int = 0
     queue_timeout: float = 60.0  # how long to wait for a worker of a needed role to appear
-    # With no prefill worker in the pool (none ready, none suspect: all drained, restarting or
-    # gone), a decode worker prefills a request itself rather than the request waiting for one.
-    prefill_fallback: bool = True
+    # With no worker of a role in the pool (none ready, none suspect: all drained, restarting or
+    # gone), a worker of the other role serves a request whole rather than the request waiting
+    # for one (as one engine would).
+    fallback: bool = True
     prefill_timeout: float = 300.0
     token_timeout: float = 60.0  # decode's first token (incl. the KV pull) and each later gap
     max_retries: int = 2  # failed legs (prefill retries + decode migrations) per sequence
@@ -104,16 +105,19 @@ class WorkerFailed(Exception):
     """A worker reported an engine error for a leg (another worker may succeed)."""
 
 
-class _NoPrefillWorker(Exception):
-    """Raised while waiting for a prefill worker when the pool has none left and the decode
-    worker may prefill the request itself (`Settings.prefill_fallback`); never leaves run()."""
+class _NoneLeft(Exception):
+    """Raised while waiting for a worker of one role (before a prefill, or before a handoff
+    whose decode worker is gone) when the pool has none left and a worker of the other may
+    serve the request whole (`Settings.fallback`): run() frees a prefill's KV not handed over
+    and plans the attempt again, which then goes there. Never leaves run()."""
 
 
 class _Aborted(Exception):
     """Raised inside a sequence that abort() ended while it was running; never leaves run()."""
 
 
-NO_PREFILL = "no_prefill_worker"  # the route's reason when the fallback served it
+# The route's reason when the fallback served a request whole, by the role the pool lacked.
+NO_WORKER = {Role.PREFILL: "no_prefill_worker", Role.DECODE: "no_decode_worker"}
 _ABORTED = object()  # put on a leg's queue to wake its reader when the sequence is aborted
 _CHECK = object()  # put on a leg's queue by its reader's timer: time to check for a timeout
 
@@ -197,6 +201,9 @@ class Sequence:
                 except _Aborted:
                     yield  # the stream now ends with finish_reason "abort", as vLLM's does
                     return
+                except _NoneLeft:  # the pool lost a role while this attempt waited: plan again
+                    self._release_pending()  # a prefill's KV no decode worker will read
+                    continue
                 except (WorkerLost, WorkerFailed, StepTimeout) as e:
                     self._release_pending()
                     self.failures += 1
@@ -288,8 +295,8 @@ class Sequence:
             ready = self.pool.registry.ready(side)
             if ready:
                 return ready
-            if side == Role.PREFILL and self._falls_back():
-                raise _NoPrefillWorker()
+            if self._falls_back(side):
+                raise _NoneLeft()
             left = deadline - time.monotonic()
             if left <= 0:
                 raise NoWorkerAvailable(side, self.s.queue_timeout)
@@ -306,7 +313,9 @@ class Sequence:
         self._ctx = a.ctx
         # A seeded request keeps to the rules: they disaggregate it whenever they can (module
         # docstring), which the SLO's choice must not undo.
-        if self.placer is not None and not own_draw(self.params):
+        if self._falls_back(Role.DECODE):
+            d, p, reason = await self._whole_on_a_prefill_worker(a)
+        elif self.placer is not None and not own_draw(self.params):
             d, p, reason = await self._placed(a)
         else:
             d, p, reason = await self._by_rules(a)
@@ -318,12 +327,15 @@ class Sequence:
         try:
             async for _ in self._disaggregated(a, d, p, reason):
                 yield
-        except _NoPrefillWorker:  # the last one left while this request waited for it
-            self._unreserve()
-            async for _ in self._local(a, d, NO_PREFILL):
-                yield
         finally:
             self._unreserve()
+
+    async def _whole_on_a_prefill_worker(self, a: _Plan) -> tuple[Worker, Worker | None, str]:
+        """No decode worker is left: a prefill worker serves the request whole, as one engine
+        would (the prefill policy's choice; `_local` then runs it there)."""
+        p, p_cached = await self._choose(Role.PREFILL, self.prefill_policy, a.ctx)
+        self.route.placed(len(a.ctx), p.id, p_cached)
+        return p, p, NO_WORKER[Role.DECODE]
 
     async def _by_rules(self, a: _Plan) -> tuple[Worker, Worker | None, str]:
         """(decode worker, prefill worker: itself when local, None to choose later, reason)."""
@@ -386,15 +398,18 @@ class Sequence:
             return "short"
         if d_cached and len(a.ctx) - d_cached < self.s.skip_handoff_below:
             return "cached"
-        if self._falls_back():
-            return NO_PREFILL
+        if self._falls_back(Role.PREFILL):
+            return NO_WORKER[Role.PREFILL]
         return ""
 
-    def _falls_back(self) -> bool:
-        """The pool has no prefill worker, not even one late with its heartbeat, and this
-        request's decode worker may prefill it (not a seeded one: module docstring)."""
-        return (self.s.prefill_fallback and not own_draw(self.params)
-                and not self.pool.registry.ready(Role.PREFILL, suspect=True))
+    def _falls_back(self, missing: Role) -> bool:
+        """The pool has no worker for side `missing`, not even one late with its heartbeat, and
+        one of the other side is ready to serve this request whole (not a seeded one: module
+        docstring)."""
+        registry = self.pool.registry
+        other = Role.DECODE if missing == Role.PREFILL else Role.PREFILL
+        return (self.s.fallback and not own_draw(self.params)
+                and not registry.ready(missing, suspect=True) and bool(registry.ready(other)))
 
     async def _local(self, a: _Plan, d: Worker, reason: str) -> AsyncIterator[None]:
         self.state = State.LOCAL

@@ -77,12 +77,12 @@ def add_pd_args(parser) -> None:
                         "(a follow-up turn, a shared prefix) and fewer than this many tokens "
                         "are left to compute, it prefills them itself: no prefill worker, no "
                         "KV handoff (0: never)")
-    # On: a pool that lost its last prefill worker (drained, restarting, dead) keeps serving,
-    # at the cost of prefills stalling the decode engines' streams meanwhile.
-    g.add_argument("--no-prefill-fallback", dest="prefill_fallback", action="store_false",
-                   help="when no prefill worker is left (all drained, restarting or gone), "
+    # On: a pool that lost its last worker of a role (drained, restarting, dead) keeps serving,
+    # as colocated engines would, at the cost of steady streams meanwhile.
+    g.add_argument("--no-fallback", dest="fallback", action="store_false",
+                   help="when no worker of a role is left (all drained, restarting or gone), "
                         "make new requests wait for one (up to --queue-timeout, then 503) "
-                        "instead of their decode worker prefilling them itself")
+                        "instead of a worker of the other role serving them whole")
     g.add_argument("--first-token", choices=["prefill", "decode"], default="prefill",
                    help="prefill: stream the prefill worker's first token at once (lowest TTFT); "
                         "decode: send it with the decode worker's first output (TTFT includes "
@@ -188,7 +188,7 @@ def settings_from(args) -> Settings:
     return Settings(prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
                     local_prefill_threshold=args.local_prefill_threshold,
                     skip_handoff_below=args.skip_handoff_below,
-                    prefill_fallback=args.prefill_fallback,
+                    fallback=args.fallback,
                     queue_timeout=args.queue_timeout, prefill_timeout=args.prefill_timeout,
                     token_timeout=args.token_timeout, max_retries=args.max_retries,
                     first_token=args.first_token, max_inflight=max_inflight,

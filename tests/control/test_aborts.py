@@ -38,7 +38,7 @@ async def _client(c, rid: str, prompt: list[int], after: int | None, how: str) -
 
 
 async def test_abort_while_queued_ends_at_once(make_cluster):
-    cluster = await make_cluster(settings=fast_settings(prefill_fallback=False))
+    cluster = await make_cluster(settings=fast_settings(fallback=False))
     await cluster.add("decode")  # no prefill worker: the request waits for one
     task = asyncio.create_task(cluster.run(PROMPT, greedy(4)))
     await asyncio.sleep(0.1)
@@ -50,7 +50,7 @@ async def test_abort_while_queued_ends_at_once(make_cluster):
 
 
 async def test_a_request_cancelled_as_the_pool_changes_while_it_waits_ends(make_cluster):
-    cluster = await make_cluster(settings=fast_settings(prefill_fallback=False))
+    cluster = await make_cluster(settings=fast_settings(fallback=False))
     await cluster.add("decode")  # no prefill worker: the request waits for the pool to change
 
     async def request():

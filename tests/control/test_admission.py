@@ -430,7 +430,7 @@ async def test_a_pool_without_a_ready_worker_answers_503_with_the_role_and_retry
     from pdserve.errors import NO_WORKER_RETRY_AFTER_S
 
     model = vllm_config.model_config.model
-    c, client = await http(fast_settings(prefill_fallback=fallback))
+    c, client = await http(fast_settings(fallback=fallback))
     r = await client.post("/v1/completions", json=body(model, stream=stream))
     assert r.status_code == 503, r.text
     assert r.headers["retry-after"] == str(NO_WORKER_RETRY_AFTER_S)

@@ -81,7 +81,7 @@ async def test_migrated_request_keeps_logprobs_and_stops_where_one_engine_stops(
 
 
 async def test_no_prefill_worker_is_a_503_not_a_hang_with_the_fallback_off(make_cluster):
-    cluster = await make_cluster(settings=fast_settings(prefill_fallback=False))
+    cluster = await make_cluster(settings=fast_settings(fallback=False))
     p, = await cluster.add("prefill")
     await cluster.add("decode")
     await cluster.kill(p.worker_id)
@@ -95,7 +95,8 @@ async def test_no_prefill_worker_is_a_503_not_a_hang_with_the_fallback_off(make_
     await cluster.assert_clean()
 
 
-async def test_last_decode_worker_dying_mid_stream_is_a_503(cluster):
+async def test_last_decode_worker_dying_mid_stream_is_a_503_with_the_fallback_off(make_cluster):
+    cluster = await make_cluster(settings=fast_settings(fallback=False))
     await cluster.add("prefill")
     d, = await cluster.add("decode", decode_delay=0.02)
     req = asyncio.create_task(cluster.run(PROMPT, greedy(200), timeout=15))

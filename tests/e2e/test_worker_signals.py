@@ -20,7 +20,7 @@ import pytest
 from procs import (engine_core_pid, get_json, gone, remove_shm_left, shm_of, survivors,
                    wait_for)
 from test_openai import complete, prompt_ids
-from test_pool import start_worker, workers
+from test_pool import get_text, start_worker, workers
 
 from pdserve.worker.main import DRAIN_SIGNAL
 
@@ -219,15 +219,23 @@ def test_engine_core_killed_under_a_worker(pd_server, engine_shm, busy_decode):
     assert name not in {i for i, x in workers(pd_server).items() if x["state"] == "ready"}
 
 
-def test_prefill_engine_killed_under_load_and_serve_replaces_the_worker(pd_server, pd_client,
-                                                                        ref_client, model_dir,
-                                                                        engine_shm):
-    """kill -9 of the engine core of the pool's only prefill worker, with requests in flight:
-    each request completes or fails with a clear error, never short; while the pool has no
-    prefill worker the decode worker prefills requests itself (none is refused); `pdserve serve`
-    starts a new worker and serving resumes. The timeline is printed."""
+def _fallbacks(server, role: str) -> float:
+    """Requests served whole by the other role because the pool had no `role` worker."""
+    line = f'pdserve_routes_total{{path="local",reason="no_{role}_worker"}} '
+    return sum(float(x[len(line):]) for x in get_text(server.base + "/metrics").splitlines()
+               if x.startswith(line))
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_the_only_engine_of_a_role_killed_under_load_and_serve_replaces_the_worker(
+        pd_server, pd_client, ref_client, model_dir, engine_shm, role):
+    """kill -9 of the engine core of the pool's only prefill (or decode) worker, with requests
+    in flight: each request completes or fails with a clear error, never short; while the pool
+    has no worker of that role the other worker serves requests whole (none is refused);
+    `pdserve serve` starts a new worker and serving resumes. The timeline is printed."""
     [p] = [x for x in get_json(pd_server.base + "/pd/workers")
-           if x["role"] == "prefill" and x["state"] == "ready"]
+           if x["role"] == role and x["state"] == "ready"]
+    fallbacks_before = _fallbacks(pd_server, role)
     results: list = []
     ended_early: dict[int, list] = {}  # prompt seed -> the answer, to check against one engine
     stop = threading.Event()
@@ -258,9 +266,9 @@ def test_prefill_engine_killed_under_load_and_serve_replaces_the_worker(pd_serve
         os.kill(engine_core_pid(p["pid"]), signal.SIGKILL)
         wait_for(lambda: p["id"] not in workers(pd_server), 30, "the worker to leave the pool")
         t_left = time.monotonic()
-        wait_for(lambda: any(x["role"] == "prefill" and x["state"] == "ready"
+        wait_for(lambda: any(x["role"] == role and x["state"] == "ready"
                              for x in get_json(pd_server.base + "/pd/workers")), 400,
-                 "a new prefill worker")
+                 f"a new {role} worker")
         t_back = time.monotonic()
         ok_after = lambda: sum(1 for r, _, t in results if r == "ok" and t > t_back)  # noqa: E731
         wait_for(lambda: ok_after() >= 8, 120, "requests served by the new prefill worker")
@@ -277,14 +285,15 @@ def test_prefill_engine_killed_under_load_and_serve_replaces_the_worker(pd_serve
     errors = sorted({r for r in outcomes if r.startswith("error")})
     # Sent after the pool had lost its only prefill worker, ended before the new one was ready.
     between = [r for r, t0, t1 in results if t_left < t0 and t1 < t_back]
-    print(f"\nprefill engine killed at t=0: worker left the pool at +{t_left - t_kill:.1f} s, "
+    print(f"\n{role} engine killed at t=0: worker left the pool at +{t_left - t_kill:.1f} s, "
           f"new worker ready at +{t_back - t_kill:.1f} s; requests: "
           f"{outcomes.count('ok') - len(short)} whole, {len(short)} short, "
           f"{len(outcomes) - outcomes.count('ok')} failed "
           f"({'; '.join(e[:120] for e in errors) or 'none'}); {between.count('ok')} of "
-          f"{len(between)} sent with no prefill worker in the pool were served")
+          f"{len(between)} sent with no {role} worker in the pool were served")
     assert not short
     assert between and set(between) == {"ok"}
+    assert _fallbacks(pd_server, role) - fallbacks_before >= len(between)
     assert "exited with code 4" in pd_server.proc.log()
     assert all(_clear(e) for e in errors)
 

@@ -1,10 +1,11 @@
-"""A pool that lost its last prefill worker keeps serving: the decode worker prefills itself.
+"""A pool that lost its last worker of a role keeps serving: the other role serves it whole.
 
 A drained, restarting or dead prefill worker used to leave every new request waiting for one
-(then 503) while the decode workers idled. Now the decode worker is given the whole request
-(the local path), unless the request is seeded (its local prefill could kill a CPU engine, see
-sequence.py) or the operator turned the fallback off. A suspect prefill worker (late with its
-heartbeats) is still waited for: it may be back in a moment.
+(then 503) while the decode workers idled, and likewise the other way round. Now a worker of
+the other role is given the whole request (the local path), unless the request is seeded (its
+local prefill could kill a CPU engine, see sequence.py) or the operator turned the fallback
+off. A suspect worker (late with its heartbeats) is still waited for: it may be back in a
+moment.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ from test_liveness import mute, state
 from vllm import SamplingParams
 
 from pdserve import fake
-from pdserve.controller.sequence import NO_PREFILL
+from pdserve.controller.sequence import NO_WORKER
 from pdserve.errors import NoWorkerAvailable
+from pdserve.protocol import Role
 
 PROMPT = list(range(700, 740))
+NO_PREFILL, NO_DECODE = NO_WORKER[Role.PREFILL], NO_WORKER[Role.DECODE]
 
 
 def routes(c, reason: str) -> float:
@@ -59,7 +62,7 @@ async def test_requests_fall_back_while_the_prefill_worker_drains_and_not_after_
     assert routes(cluster, NO_PREFILL) == 3
     said = [r.getMessage() for r in caplog.records if "prefill worker" in r.getMessage()]
     assert len(said) == 2, said  # once as the fallback began, once as it ended
-    assert "decode workers prefill new requests themselves" in said[0]
+    assert "decode workers serve new requests whole" in said[0]
     assert "ready again" in said[1]
     await cluster.assert_clean()
 
@@ -101,7 +104,7 @@ async def test_a_seeded_request_waits_for_a_prefill_worker(cluster):
 
 async def test_with_the_fallback_off_a_request_waits_for_a_prefill_worker_then_fails(
         make_cluster):
-    c = await make_cluster(settings=fast_settings(prefill_fallback=False, queue_timeout=0.5))
+    c = await make_cluster(settings=fast_settings(fallback=False, queue_timeout=0.5))
     d, = await c.add("decode")
     with pytest.raises(NoWorkerAvailable, match="no prefill worker"):
         await c.run(PROMPT, greedy(4))
@@ -116,9 +119,19 @@ async def test_admission_and_health_need_a_prefill_worker_only_without_the_fallb
 
     from pdserve.errors import NoWorkerReady
 
-    c = await make_cluster(settings=fast_settings(prefill_fallback=fallback))
+    c = await make_cluster(settings=fast_settings(fallback=fallback))
     await c.add("decode")
     if fallback:  # a probe must not take the controller out of service while it can serve
+        c.controller.check_admission()
+        await c.controller.check_health()
+        await c.kill(next(iter(c.workers)))
+        await wait_until(lambda: not c.pool.registry.ready(Role.DECODE, suspect=True), 10,
+                         "the decode worker gone")
+        with pytest.raises(NoWorkerReady, match="no decode worker"):
+            c.controller.check_admission()
+        with pytest.raises(EngineDeadError):
+            await c.controller.check_health()
+        await c.add("prefill")
         c.controller.check_admission()
         await c.controller.check_health()
         return
@@ -126,3 +139,72 @@ async def test_admission_and_health_need_a_prefill_worker_only_without_the_fallb
         c.controller.check_admission()
     with pytest.raises(EngineDeadError):
         await c.controller.check_health()
+
+
+async def test_a_pool_of_prefill_workers_alone_serves_every_request(cluster):
+    p, = await cluster.add("prefill")
+    for i in range(3):
+        outs = await cluster.run(PROMPT + [i], greedy(6))
+        assert final_tokens(outs) == fake.reference(PROMPT + [i], greedy(6)).token_ids
+    assert len(p.engine.served) == 3 and p.engine.held_blocks() == 0
+    assert routes(cluster, NO_DECODE) == 3
+    await cluster.assert_clean()
+
+
+async def test_a_stream_whose_only_decode_worker_dies_goes_on_on_a_prefill_worker(
+        make_cluster, caplog):
+    caplog.set_level(logging.WARNING, "pdserve.controller.client")
+    c = await make_cluster(missed=5)
+    p, = await c.add("prefill")
+    d, = await c.add("decode", decode_delay=0.03)
+    params = greedy(60)
+    req = asyncio.create_task(c.run(PROMPT, params))
+    await wait_until(lambda: d.engine.active_requests(), what="the decode to start")
+    await asyncio.sleep(0.3)  # some tokens out
+    await c.kill(d.worker_id)
+    outs = await asyncio.wait_for(req, 15)
+    assert final_tokens(outs) == fake.reference(PROMPT, params).token_ids
+    assert len(p.engine.served) == 2  # its prefill, then the rest of the stream whole
+    assert routes(c, NO_DECODE) == 1
+    assert any("no decode worker is left: prefill workers serve new requests whole"
+               in r.getMessage() for r in caplog.records)
+    await c.assert_clean()
+
+
+async def test_a_seeded_request_waits_for_a_decode_worker(cluster):
+    p, = await cluster.add("prefill")
+    seeded = SamplingParams(max_tokens=5, temperature=1.0, seed=7, ignore_eos=True,
+                            output_kind=greedy().output_kind)
+    req = asyncio.create_task(cluster.run(PROMPT, seeded))
+    await wait_until(lambda: bool(cluster.controller.active), what="the request to wait")
+    await asyncio.sleep(0.2)
+    assert not req.done() and p.engine.served == []
+    d, = await cluster.add("decode")
+    outs = await asyncio.wait_for(req, 5)
+    assert final_tokens(outs) == fake.reference(PROMPT, seeded).token_ids
+    assert d.engine.kv_reads == 1
+    await cluster.assert_clean()
+
+
+async def test_a_prefill_whose_only_decode_worker_died_meanwhile_is_served_on_a_prefill_worker(
+        make_cluster):
+    """The prefill's token is streamed once and the request goes on whole on a prefill
+    worker. The prefill's KV, which no decode worker will read, is released through the next
+    decode worker to be ready (a release needs one; a real engine's lease frees it after 30 s
+    otherwise)."""
+    c = await make_cluster(missed=5)
+    p, = await c.add("prefill", prefill_delay_per_token=0.05)  # a 2 s prefill
+    d, = await c.add("decode")
+    params = greedy(8)
+    req = asyncio.create_task(c.run(PROMPT, params))
+    await wait_until(lambda: p.engine.active_requests(), what="the prefill to start")
+    await c.kill(d.worker_id)
+    await wait_until(lambda: state(c, d.worker_id) == "dead", 10, "d dead")
+    assert not req.done()  # still prefilling
+    outs = await asyncio.wait_for(req, 15)
+    assert final_tokens(outs) == fake.reference(PROMPT, params).token_ids
+    assert d.engine.kv_reads == 0 and len(p.engine.served) == 2
+    assert routes(c, NO_DECODE) == 1
+    assert c.leaks() == [f"{p.worker_id}: 3 held blocks"]  # the handed-over prefill's
+    await c.add("decode")
+    await c.assert_clean()
