@@ -108,3 +108,12 @@ def test_a_leg_not_held_is_nothing_to_free():
     c.request_finished(request("gone-release", {RELEASE_HELD: ["gone"]}), [])
     assert step(c).finished_sending == set()
     assert set(c.connector_worker._reqs_to_send) == {"other-0a1b2c3d"}
+
+
+def test_a_request_named_as_the_engine_reported_it_is_freed():
+    # A controller with no decode worker to carry a release names the prefill's request by
+    # its remote_request_id, the engine's own id.
+    c = connector(held=["cmpl-9-p1-0a1b2c3d", "cmpl-9-p1-11111111"])
+    c.request_finished(request("cmpl-9-r2-release", {RELEASE_HELD: ["cmpl-9-p1-0a1b2c3d"]}), [])
+    assert step(c).finished_sending == {"cmpl-9-p1-0a1b2c3d"}
+    assert set(c.connector_worker._reqs_to_send) == {"cmpl-9-p1-11111111"}

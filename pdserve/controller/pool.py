@@ -26,7 +26,7 @@ import zmq.asyncio
 
 from pdserve import protocol, transport
 from pdserve.controller.kvindex import KVIndex
-from pdserve.controller.registry import Registry, Worker
+from pdserve.controller.registry import Registry, Worker, WorkerState
 from pdserve.protocol import EngineInfo, Role
 
 logger = logging.getLogger(__name__)
@@ -219,11 +219,29 @@ class Pool:
     def _send_release(self, kv: dict, leg_id: str, exclude: str) -> bool:
         decoders = [w for w in self.registry.ready(Role.DECODE) if w.id != exclude]
         if not decoders:
-            return False
+            return self._release_at_holder(kv, leg_id)
         d = min(decoders, key=lambda w: (w.score(), w.id))
-        msg = protocol.Generate(leg_id, protocol.Phase.RELEASE, [0], _RELEASE_PARAMS, dict(kv))
+        return self._send_untracked(d, protocol.Generate(
+            leg_id, protocol.Phase.RELEASE, [0], _RELEASE_PARAMS, dict(kv)))
+
+    def _release_at_holder(self, kv: dict, leg_id: str) -> bool:
+        """No decode worker to carry the release (the pool has none left): ask the prefill
+        worker whose engine holds the blocks to free them itself, naming the request as its
+        engine reported it. Its engine can with pdserve's CPU connector; with vLLM's own
+        (GPU hosts) it does nothing, and the engine's lease frees them."""
+        host, port, held = kv.get("remote_host"), kv.get("remote_port"), kv.get("remote_request_id")
+        holder = next((w for w in self.registry.workers.values()
+                       if w.state != WorkerState.DEAD and w.serves(Role.PREFILL)
+                       and w.address == host and w.kv_port == port), None)
+        if holder is None or not isinstance(held, str):
+            return False
+        return self._send_untracked(holder, protocol.Generate(
+            leg_id, protocol.Phase.RELEASE, [0], _RELEASE_PARAMS, {protocol.RELEASE_HELD: [held]}))
+
+    def _send_untracked(self, worker: Worker, msg: protocol.Generate) -> bool:
+        """Send a leg no answer is expected to."""
         try:
-            self.finish(self.send(d, msg))  # no answer expected
+            self.finish(self.send(worker, msg))
         except WorkerLost:
             return False
         return True

@@ -294,15 +294,17 @@ class PDCpuNixlConnector(NixlPullConnector):
     def _release(self, legs: set[str]) -> None:
         """Worker side: stop holding the blocks of these legs' finished prefills. The engine
         names a request by its leg's id, a dash and 8 characters of its own
-        (vLLM's InputProcessor.assign_request_id). A leg still running is not held: its abort
-        frees it."""
+        (vLLM's InputProcessor.assign_request_id); a controller with no decode worker to
+        carry a release names it that way (the prefill's `remote_request_id`). A leg still
+        running is not held: its abort frees it."""
         worker = self.connector_worker
-        for req_id in [r for r in worker._reqs_to_send if r.rpartition("-")[0] in legs]:
+        for req_id in [r for r in worker._reqs_to_send
+                       if r in legs or r.rpartition("-")[0] in legs]:
             del worker._reqs_to_send[req_id]
             worker._reqs_to_process.discard(req_id)
             self._released.add(req_id)
-            logger.info("freed the KV blocks of %s: its prefill's end never reached a "
-                        "controller, so no decode will read them", req_id)
+            logger.info("freed the KV blocks of %s at its worker's word: no decode will read "
+                        "them", req_id)
 
     # ---- what a decode read moved (scheduler side), reported with the request's end --------
 

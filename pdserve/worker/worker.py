@@ -614,6 +614,18 @@ class PDWorker:
         if ending.owned or ending.unstarted or ending.prefills:
             self._spawn(self._end_in_engine(ending))
 
+    async def _release(self, rid: str, kv: dict) -> None:
+        """A controller's release of blocks no decode will read: held by a prefill engine
+        elsewhere (kv names it: this engine tells it), or by this one (the requests named, as
+        this engine reported them, when the controller had no decode worker to ask)."""
+        held = kv.get(protocol.RELEASE_HELD)
+        if held is None:
+            await self.engine.release(rid, kv)
+        elif isinstance(held, list) and all(isinstance(r, str) for r in held):
+            await self.engine.release_held(held)
+        else:
+            raise ValueError(f"{protocol.RELEASE_HELD} must be a list of request ids")
+
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
         self._background.add(task)
@@ -638,7 +650,7 @@ class PDWorker:
             params = decode_params(msg.sampling_params)
             params = _params_for_phase(params, msg)
             if msg.phase == Phase.RELEASE:
-                await self.engine.release(rid, msg.kv_transfer_params or {})
+                await self._release(rid, msg.kv_transfer_params or {})
                 return
             finished, first = False, msg.phase == Phase.DECODE
             last = 0.0  # when this leg's previous output came out (0: none yet)

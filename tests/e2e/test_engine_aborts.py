@@ -29,7 +29,7 @@ LENGTHS = [3, 40, 127, 128, 129, 260, 520, 900, 1500]
 EXPIRED = "Releasing expired KV blocks"  # vLLM's NIXL sender, when a block lease runs out
 LEASE_S = 30  # vLLM's default kv_lease_duration, which pdserve does not change
 # pdserve's connector, when a prefill worker has it free the blocks of a leg aborted as it ended
-FREED = "its prefill's end never reached a controller"
+FREED = "at its worker's word: no decode will read them"
 
 
 @dataclass

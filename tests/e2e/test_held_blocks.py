@@ -2,7 +2,8 @@
 never read them (`Engine.release_held`, pdserve/kv/cpu_nixl.py): what a worker asks when it
 aborted prefill legs whose last outputs, naming those blocks, had not left it. The race itself is
 in tests/control/test_aborts.py; here one engine, in a process of its own, holds two prefills'
-blocks, frees one leg's, then the other's, and never lets a lease run out."""
+blocks, frees one leg's, then the other's, named as the engine reported it (as a controller with
+no decode worker to carry a release names it), and never lets a lease run out."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ SCRIPT = textwrap.dedent("""
             both = await held(engine, 0)
             await engine.release_held(["leg-a"])
             one = await held(engine, 1)
-            await engine.release_held(["leg-b", "leg-never-here"])
+            await engine.release_held([b["remote_request_id"], "leg-never-here"])
             none = await held(engine, 2)
             print("RESULT " + json.dumps({"blocks": blocks, "held": [both, one, none]}),
                   flush=True)
@@ -55,7 +56,7 @@ SCRIPT = textwrap.dedent("""
     asyncio.run(main(sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])))
 """)
 
-FREED = "its prefill's end never reached a controller"
+FREED = "at its worker's word: no decode will read them"
 EXPIRED = "Releasing expired KV blocks"
 
 
