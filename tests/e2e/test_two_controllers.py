@@ -13,7 +13,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from procs import Proc, free_port, get_json, pdserve, wait_for
+from procs import Proc, free_port, free_ports, get_json, pdserve, wait_for
 from test_openai import prompt_ids
 
 DEAD_AFTER = 6  # the controllers': workers drop a silent controller's legs after it
@@ -24,13 +24,20 @@ REGISTERED = re.compile(r"pdserve controller (controller-[0-9a-f]+): workers reg
 
 @pytest.fixture(scope="module")
 def two(model_dir, logs, keys):
-    port, wport = free_port(), free_port()
+    wport = free_ports(2)  # API server i takes wport + i
+    port = next(q for q in iter(free_port, None) if q not in (wport, wport + 1))
     p = Proc("serve-two", pdserve("serve", "--verbose", "--model", model_dir, "--port", str(port),
                                   "--worker-port", str(wport), "--keys", keys,
                                   "--api-servers", "2",
                                   f"--controller-arg=--dead-after={DEAD_AFTER}"), logs)
     try:
-        wait_for(lambda: "pdserve ready" in p.log(), 400, "pdserve serve --api-servers 2", [p])
+        try:
+            wait_for(lambda: "pdserve ready" in p.log(), 400, "pdserve serve --api-servers 2",
+                     [p])
+        except TimeoutError as e:  # the periodic pool lines would hide how registering went
+            said = [ln for ln in p.log().splitlines()
+                    if re.search(r"regist|refused|joined|bind|Error", ln)]
+            raise TimeoutError(f"{e}\n--- registration lines ---\n" + "\n".join(said[-60:]))
         yield p, f"http://127.0.0.1:{port}", wport
     finally:
         p.stop(90)
