@@ -83,11 +83,12 @@ class Metrics:
         self.retries = Counter("pdserve_retries", "Failed legs retried: prefill_retry before any "
                                "token, migration after some", ["kind"], registry=r)
         self.local = Counter("pdserve_local_prefills",
-                             "Sequences prefilled on their decode worker (no handoff)", registry=r)
+                             "Sequences prefilled on the worker that decodes them (no handoff)", registry=r)
         self.routes = Counter("pdserve_routes", "Completed sequences by path (local, "
                               "disaggregated) and why local: short (little to compute), cached "
                               "(the decode worker held most of it: a handoff skipped), auto, "
-                              "no_prefill_worker (none in the pool)",
+                              "no_prefill_worker or no_decode_worker (none of that role in the "
+                              "pool: one of the other served it whole)",
                               ["path", "reason"], registry=r)
         self.cached_tokens = Counter("pdserve_prefix_cached_tokens", "Prompt tokens the "
                                      "engines had in their prefix caches, as they reported, by "

@@ -87,18 +87,20 @@ async def test_a_request_waiting_for_a_suspect_prefill_worker_falls_back_when_it
     await c.assert_clean()
 
 
-async def test_a_seeded_request_waits_for_a_prefill_worker(cluster):
-    d, = await cluster.add("decode")
+@pytest.mark.parametrize("present, missing", [("decode", "prefill"), ("prefill", "decode")])
+async def test_a_seeded_request_waits_for_the_missing_role(cluster, present, missing):
+    here, = await cluster.add(present)
     seeded = SamplingParams(max_tokens=5, temperature=1.0, seed=7, ignore_eos=True,
                             output_kind=greedy().output_kind)
     req = asyncio.create_task(cluster.run(PROMPT, seeded))
     await wait_until(lambda: bool(cluster.controller.active), what="the request to wait")
     await asyncio.sleep(0.2)
-    assert not req.done() and d.engine.served == []
-    p, = await cluster.add("prefill")
+    assert not req.done() and here.engine.served == []
+    there, = await cluster.add(missing)
     outs = await asyncio.wait_for(req, 5)
     assert final_tokens(outs) == fake.reference(PROMPT, seeded).token_ids
-    assert len(p.engine.served) == 1 and d.engine.kv_reads == 1
+    p, d = (here, there) if present == "prefill" else (there, here)
+    assert len(p.engine.served) == 1 and d.engine.kv_reads == 1  # disaggregated
     await cluster.assert_clean()
 
 
@@ -169,21 +171,6 @@ async def test_a_stream_whose_only_decode_worker_dies_goes_on_on_a_prefill_worke
     assert any("no decode worker is left: prefill workers serve new requests whole"
                in r.getMessage() for r in caplog.records)
     await c.assert_clean()
-
-
-async def test_a_seeded_request_waits_for_a_decode_worker(cluster):
-    p, = await cluster.add("prefill")
-    seeded = SamplingParams(max_tokens=5, temperature=1.0, seed=7, ignore_eos=True,
-                            output_kind=greedy().output_kind)
-    req = asyncio.create_task(cluster.run(PROMPT, seeded))
-    await wait_until(lambda: bool(cluster.controller.active), what="the request to wait")
-    await asyncio.sleep(0.2)
-    assert not req.done() and p.engine.served == []
-    d, = await cluster.add("decode")
-    outs = await asyncio.wait_for(req, 5)
-    assert final_tokens(outs) == fake.reference(PROMPT, seeded).token_ids
-    assert d.engine.kv_reads == 1
-    await cluster.assert_clean()
 
 
 async def test_a_prefill_whose_only_decode_worker_died_meanwhile_is_served_on_a_prefill_worker(
