@@ -42,10 +42,13 @@ def test_responses_are_classified():
 
 
 # The controller's own cap, or (as over real engines, with the cap far above) the decode
-# engine's slots: 10x of 4 at once for 5 s is ~200 requests, none refused if the slots were
-# not counted.
-@pytest.mark.parametrize("limit", [[], ["--max-seqs", "4", "--max-inflight", "512"]],
-                         ids=["max-inflight", "decode-slots"])
+# engine's slots, or, with no decode worker, the slots of the prefill engine that serves requests
+# whole: 10x of 4 at once for 5 s is ~200 requests, none refused if the slots were not counted.
+SLOTS = ["--max-seqs", "4", "--max-inflight", "512"]
+
+
+@pytest.mark.parametrize("limit", [[], SLOTS, [*SLOTS, "--without", "decode"]],
+                         ids=["max-inflight", "decode-slots", "prefill-slots-in-fallback"])
 def test_a_brief_overload_is_refused_with_429_and_the_pool_serves_afterwards(tmp_path, limit):
     args = overload.make_parser().parse_args(["--duration", "5", "--after-duration", "3",
                                               *limit])

@@ -4,7 +4,9 @@ A controller (`--max-inflight`, `--max-queued`) over fake workers (pdserve.fake)
 takes `--output-len` x `--decode-delay` seconds, so its capacity is max_inflight / that time
 (requests per second). With `--max-seqs` the fake engines run that many requests at once and
 say so, as real ones do: the controller admits no more than their slots (its default over real
-engines), and the capacity is the smaller of the two / that time. Phase `overload` offers
+engines), and the capacity is the smaller of the two / that time. `--without prefill|decode`
+runs the pool with one worker of the other role only, which then serves every request whole
+(the controller's fallback), under the same limits. Phase `overload` offers
 `--factor` x capacity (Poisson arrivals, streaming completions) for `--duration` seconds; once
 the controller's line has drained, phase `after` offers `--after-factor` x capacity. Each
 response is served (200, whole stream), refused (429), timed out in the line (503 from admission
@@ -41,6 +43,8 @@ def make_parser() -> argparse.ArgumentParser:
                    help="fake engines: requests run at once, reported as vLLM's --max-num-seqs "
                         "(0: no limit)")
     p.add_argument("--queue-timeout", type=float, default=10.0)
+    p.add_argument("--without", choices=("prefill", "decode"), default=None,
+                   help="a pool lacking this role: the other serves requests whole (fallback)")
     p.add_argument("--decode-delay", type=float, default=0.02, help="fake workers: s per token")
     p.add_argument("--output-len", type=int, default=50)
     p.add_argument("--input-len", type=int, default=32)
@@ -249,8 +253,8 @@ async def drive(base: str, model: str, pid: int, args: argparse.Namespace) -> di
 
 
 def running_at_once(args: argparse.Namespace) -> int:
-    """Requests the controller lets run at once: --max-inflight, or the decode worker's slots
-    when fewer."""
+    """Requests the controller lets run at once: --max-inflight, or the slots of the worker
+    that decodes when fewer."""
     return min(args.max_inflight, args.max_seqs) if args.max_seqs else args.max_inflight
 
 
@@ -266,7 +270,8 @@ def run(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     model = resolve_model(args.model)
     ctl = ["--max-inflight", str(args.max_inflight), "--max-queued", str(args.max_queued),
            "--queue-timeout", str(args.queue_timeout)]
-    cfg = cluster.Config("overload", prefill=1, decode=1)
+    cfg = cluster.Config("overload", prefill=int(args.without != "prefill"),
+                         decode=int(args.without != "decode"))
     with cluster.PdDeployment(cfg, model, out, keys=False, controller_args=ctl,
                               worker_cmd=fake_workers(model, args.decode_delay,
                                                       args.max_seqs)) as dep:
@@ -279,7 +284,7 @@ def markdown(res: dict[str, Any]) -> str:
     r = res["rss_mib"]
     rows = res["rows"]
     capacity = (f"- capacity: {res['capacity_req_s']} req/s (requests run at once: "
-                f"{res['running_at_once']}, the smaller of max-inflight and the decode slots / "
+                f"{res['running_at_once']}, the smaller of max-inflight and the serving engine's slots / "
                 f"{res['service_s']:g} s per request)")
     head = ("| phase | offered (req/s) | served | refused 429 | queue timeout 503 | failed "
             "| refusal p50 / p99 (ms) | served p50 / p99 (ms) |")

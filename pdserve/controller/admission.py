@@ -7,7 +7,9 @@ decode engine for a running stream to end: seconds of silence after a fast first
 its prompt's blocks held on the prefill engine meanwhile. So the limit is the smaller of
 max_inflight and the decode slots free for this controller (`slots`: over the ready decode
 workers, their max_seqs less what other controllers hold there, as of their last heartbeats;
-None when unknown), and the rest waits here, in line, before any prefill.
+None when unknown), and the rest waits here, in line, before any prefill. While no decode
+worker is left and the prefill workers serve requests whole (the fallback), their slots count
+instead, for the same reason.
 
 A request's path: `check` (before vLLM's server starts a response) -> `acquire`: its slots at
 once, or WAITING in line (FIFO) until they are free -> HOLDING -> `release`. It is refused

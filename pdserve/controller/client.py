@@ -47,7 +47,7 @@ class PDController(EngineClient):
         self.decode_policy = make_policy(self.settings.decode_policy, block_size, "decode")
         self.metrics = metrics or Metrics()
         self.admission = Admission(self.settings.max_inflight, self.settings.max_queued,
-                                   self.settings.queue_timeout, slots=self._decode_slots)
+                                   self.settings.queue_timeout, slots=self._serving_slots)
         pool.watch(lambda _event, _worker: self.admission.refresh())
         # Whether the pool had a worker of each role at the last change (absent: not yet one),
         # for the log of the fallback's start and end.
@@ -119,11 +119,16 @@ class PDController(EngineClient):
                 logger.warning("no %s worker is left: new requests wait for one, up to "
                                "--queue-timeout", side.label)
 
-    def _decode_slots(self) -> Slots | None:
-        """Streams the ready decode workers' engines run at once, and those other controllers
-        do not hold (None: unknown, or no decode worker is ready, whose wait `Sequence` times
-        and names)."""
-        workers = self.pool.registry.ready(Role.DECODE)
+    def _serving_slots(self) -> Slots | None:
+        """Streams the engines that decode run at once, and those other controllers do not
+        hold: the ready decode workers', or, while none is left and the prefill workers serve
+        requests whole (the fallback), theirs. None: unknown, or no worker can serve, whose
+        wait `Sequence` times and names."""
+        registry = self.pool.registry
+        workers = registry.ready(Role.DECODE)
+        if not workers and self.settings.fallback and not registry.ready(Role.DECODE,
+                                                                         suspect=True):
+            workers = registry.ready(Role.PREFILL)
         if not workers or not all(w.max_seqs for w in workers):
             return None
         return Slots(sum(w.free_slots() for w in workers), sum(w.max_seqs for w in workers))

@@ -153,6 +153,19 @@ async def test_a_pool_of_prefill_workers_alone_serves_every_request(cluster):
     await cluster.assert_clean()
 
 
+async def test_prefill_workers_serving_whole_admit_no_more_streams_than_their_slots(
+        make_cluster):
+    # Without a decode worker there are no decode slots: the prefill engines' own --max-num-seqs
+    # must bound what runs, else the streams beyond it wait inside the engine, first token out.
+    c = await make_cluster(settings=fast_settings(queue_timeout=20.0))
+    p, = await c.add("prefill", max_seqs=2, decode_delay=0.005)
+    outs = await asyncio.gather(*(c.run(PROMPT + [i], greedy(12)) for i in range(6)))
+    assert [len(final_tokens(o)) for o in outs] == [12] * 6
+    assert p.engine.waited == 0
+    assert c.controller.metrics.registry.get_sample_value("pdserve_admission_limit") == 2
+    await c.assert_clean()
+
+
 async def test_a_stream_whose_only_decode_worker_dies_goes_on_on_a_prefill_worker(
         make_cluster, caplog):
     caplog.set_level(logging.WARNING, "pdserve.controller.client")
