@@ -107,15 +107,19 @@ class PDController(EngineClient):
             if has == bool(had):  # no change (a pool still starting has had none)
                 continue
             self._had[side] = has
-            if has:
-                if had is False:
-                    logger.info("a %s worker is ready again: requests are disaggregated again",
-                                side.label)
-            elif self.settings.fallback:
+            others = bool(self.pool.registry.ready(other, suspect=True))
+            if has and had is False:
+                logger.info("a %s worker is ready again: %s", side.label,
+                            "requests are disaggregated again" if others else
+                            f"it serves new requests whole until a {other.label} worker is")
+            elif not has and not others:  # both gone: a whole pool draining, as serve stops
+                logger.warning("no %s worker is left, nor a %s worker: new requests are "
+                               "refused (503) until one is ready", side.label, other.label)
+            elif not has and self.settings.fallback:
                 logger.warning("no %s worker is left: %s workers serve new requests whole "
                                "until one is ready (seeded ones wait for it)", side.label,
                                other.label)
-            else:
+            elif not has:
                 logger.warning("no %s worker is left: new requests wait for one, up to "
                                "--queue-timeout", side.label)
 

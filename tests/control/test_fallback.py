@@ -67,6 +67,28 @@ async def test_requests_fall_back_while_the_prefill_worker_drains_and_not_after_
     await cluster.assert_clean()
 
 
+async def test_the_log_says_what_a_pool_that_lost_both_roles_does(cluster, caplog):
+    # As `pdserve serve` stops: every worker drains at once. The second to go must not be
+    # logged as leaving the first's role to serve requests whole: there is none.
+    caplog.set_level(logging.INFO, "pdserve.controller.client")
+    p1, = await cluster.add("prefill")
+    d, = await cluster.add("decode")
+    await asyncio.wait_for(asyncio.gather(p1.drain(), d.drain()), 10)
+    await wait_until(lambda: not cluster.is_ready(p1.worker_id)
+                     and not cluster.is_ready(d.worker_id), what="both draining")
+    await cluster.add("prefill")
+    said = [r.getMessage() for r in caplog.records if r.name == "pdserve.controller.client"]
+    assert len(said) == 3, said
+    assert "serve new requests whole" in said[0]
+    assert "nor a" in said[1] and "refused (503) until one is ready" in said[1]
+    assert said[2] == ("a prefill worker is ready again: it serves new requests whole until a "
+                       "decode worker is")
+    outs = await cluster.run(PROMPT, greedy(4))
+    assert final_tokens(outs) == fake.reference(PROMPT, greedy(4)).token_ids
+    assert routes(cluster, NO_DECODE) == 1
+    await cluster.assert_clean()
+
+
 async def test_a_request_waiting_for_a_suspect_prefill_worker_falls_back_when_it_is_dead(
         make_cluster):
     c = await make_cluster(settings=fast_settings(queue_timeout=10.0), missed=5)
