@@ -3,6 +3,7 @@ with the official openai client: the tokens must be the same."""
 
 from __future__ import annotations
 
+import json
 import random
 import re
 import urllib.request
@@ -22,14 +23,16 @@ def prompt_ids(n: int, seed: int) -> list[int]:
 
 
 def complete(client, model, prompt, **kw):
-    r = client.completions.create(model=model, prompt=prompt, extra_body=IDS, **kw)
+    extra = {**IDS, **kw.pop("extra_body", {})}
+    r = client.completions.create(model=model, prompt=prompt, extra_body=extra, **kw)
     return [(c.text, c.token_ids, c.finish_reason) for c in sorted(r.choices, key=lambda c: c.index)], r
 
 
 def stream_complete(client, model, prompt, **kw):
     text, ids, finish = "", [], None
+    extra = {**IDS, **kw.pop("extra_body", {})}
     for chunk in client.completions.create(model=model, prompt=prompt, stream=True,
-                                           extra_body=IDS, **kw):
+                                           extra_body=extra, **kw):
         for c in chunk.choices:
             text += c.text
             ids += c.token_ids or []
@@ -179,6 +182,70 @@ def test_stop_string_and_max_tokens(pd_client, ref_client, model_dir):
     assert ours[0][2] == "stop"
     one, _ = complete(pd_client, model_dir, prompt, max_tokens=1, temperature=0)
     assert len(one[0][1]) == 1 and one[0][2] == "length"
+
+
+# What real clients send that constrains the sampler: JSON output, a regex or a choice (vLLM's
+# structured outputs), token biases, banned words, penalties, a floor on the length. The
+# prefill engine draws the first token under them and the decode engine must go on from that
+# state (a grammar advanced by that token, penalties counting it), so the answer equals one
+# engine's, streamed or not.
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
+          "required": ["name", "n"]}
+CONSTRAINTS = {
+    "json-schema": {"extra_body": {"structured_outputs": {"json": SCHEMA}}},
+    "regex": {"extra_body": {"structured_outputs": {"regex": "[a-z]{3,6}-[0-9]{2,4}"}}},
+    "choice": {"extra_body": {"structured_outputs": {"choice": ["alpha", "beta", "gamma"]}}},
+    "logit-bias": {"logit_bias": {"100": 5.0, "200": 5.0, "300": 5.0}},
+    "bad-words": {"extra_body": {"bad_words": ["the", "ing"]}},
+    "repetition-penalty": {"extra_body": {"repetition_penalty": 1.3}},
+    "min-tokens": {"extra_body": {"min_tokens": 20, "stop_token_ids": [5, 6, 7, 8]}},
+}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("kind", list(CONSTRAINTS))
+def test_constrained_sampling_equals_plain_engine(pd_client, ref_client, model_dir, kind, stream):
+    # A prompt of its own: one the decode engine holds already would skip the handoff.
+    prompt = prompt_ids(300, seed=9000 + 2 * list(CONSTRAINTS).index(kind) + stream)
+
+    def run(client):
+        kw = dict(CONSTRAINTS[kind], max_tokens=24, temperature=0)
+        if stream:
+            return stream_complete(client, model_dir, prompt, **kw)
+        return complete(client, model_dir, prompt, **kw)[0][0]
+
+    ours, ref = run(pd_client), run(ref_client)
+    assert ours == ref
+    assert len(ours[1]) >= 2  # a token from each engine at least
+    if kind == "json-schema" and ours[2] == "stop":
+        assert set(json.loads(ours[0])) == {"name", "n"}
+    if kind in ("regex", "choice"):
+        assert ours[2] == "stop" and re.fullmatch("[a-z]{3,6}-[0-9]{2,4}|alpha|beta|gamma", ours[0])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_penalties_count_the_prefill_engines_token(pd_client, ref_client, model_dir, stream):
+    # A biased token repeats until the penalties on its count outweigh the bias: the count
+    # must include the first one, which the prefill engine drew. (Prompts whose first token
+    # is whole text: one that is part of a character is drawn again by the decode engine.)
+    prompt = prompt_ids(300, seed=9100 + 2 * stream)
+    first = complete(ref_client, model_dir, prompt, max_tokens=1, temperature=0)[0][0][1][0]
+    kw = dict(max_tokens=12, temperature=0, logit_bias={str(first): 4.0},
+              presence_penalty=1.0, frequency_penalty=1.0)
+    run = stream_complete if stream else (lambda *a, **k: complete(*a, **k)[0][0])
+    ours, ref = run(pd_client, model_dir, prompt, **kw), run(ref_client, model_dir, prompt, **kw)
+    assert ours == ref
+    assert 1 < ref[1].count(first) < 12  # the bias repeats it, the penalties end the repeats
+
+
+def test_chat_with_a_json_response_format_equals_plain_engine(pd_client, ref_client, model_dir):
+    messages = [{"role": "user", "content": "Name a colour and a number, as JSON. " * 20}]
+    kw = dict(max_tokens=40, temperature=0, response_format={
+        "type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}})
+    ours = pd_client.chat.completions.create(model=model_dir, messages=messages, **kw)
+    ref = ref_client.chat.completions.create(model=model_dir, messages=messages, **kw)
+    assert ours.choices[0].message.content == ref.choices[0].message.content
+    assert ours.choices[0].finish_reason == ref.choices[0].finish_reason
 
 
 def test_echo_and_logprobs(pd_client, ref_client, model_dir):
