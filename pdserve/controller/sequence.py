@@ -181,6 +181,7 @@ class Sequence:
         self._tag = uuid.uuid4().hex[:8]
         self.failed_on: set[str] = set()  # workers that failed this sequence: tried last
         self._streamed_text = ""  # text of the prefill's token, which decode reproduces
+        self._replayed_text = ""  # text of the tokens an attempt draws again
         self._given_logprob = 0.0  # of the prefill's token, when decode has it as context
         self._text_upto = 0  # leading tokens of the stream whose text the client has
         self.route: Route = new_route()  # where it went and why (receipts.py)
@@ -375,10 +376,14 @@ class Sequence:
         # Tokens the client has without their text yet (held back by the detokenizer: part of a
         # UTF-8 character, or of a possible stop string) are drawn again, not put in the
         # context: their text would be lost, and a context ending inside a character makes
-        # vLLM's detokenizer send the whole context as text (vllm-project/vllm#48853).
-        keep = min(self._text_upto, len(done))
+        # vLLM's detokenizer send the whole context as text (vllm-project/vllm#48853). All of
+        # them are, when the sampler counts outputs: a grammar put back at its start, or
+        # penalties forgetting what was said, would change the rest of the answer.
+        keep = 0 if _counts_outputs(self.params) else min(self._text_upto, len(done))
         first_attempt = not done and self.failures == 0
-        self._streamed_text, self._given_logprob = "", 0.0
+        # The text the client has of the tokens drawn again: dropped from what they produce.
+        self._replayed_text = "" if keep else self.stream.text(self.index)
+        self._streamed_text, self._given_logprob = self._replayed_text, 0.0
         return _Plan(ctx=self.prompt + done[:keep], replay=list(done[keep:]),
                      left=self.params.max_tokens - keep,
                      min_left=max(0, (self.params.min_tokens or 0) - keep),
@@ -456,7 +461,7 @@ class Sequence:
             ctx, forced = a.ctx + first.token_ids, []
             self._given_logprob = first.cumulative_logprob or 0.0
         else:
-            self._streamed_text = first.text
+            self._streamed_text = self._replayed_text + first.text
         # The token goes out at once (with --first-token decode, with the decode worker's first
         # output), once the decode leg is on its way: the handoff does not wait for the chunk.
         held = first if self.s.first_token == "decode" else None
@@ -765,8 +770,15 @@ def _extends(a: _Plan, first: SeqDelta, kv: dict, params) -> bool:
     its KV covers (the decode connector reads no further: kv/cpu_nixl.py)."""
     return (not a.replay and len(first.token_ids) == 1 and bool(first.text)
             and kv.get("remote_num_tokens") == len(a.ctx)
-            and not (params.stop or params.presence_penalty or params.frequency_penalty
-                     or params.bad_words or params.structured_outputs is not None))
+            and not (params.stop or _counts_outputs(params)))
+
+
+def _counts_outputs(params) -> bool:
+    """Whether the engine's sampling depends on which tokens are outputs rather than context:
+    presence and frequency penalties count outputs only, and a grammar or banned words
+    follow them from the first (vLLM's repetition penalty counts both, and does not)."""
+    return bool(params.presence_penalty or params.frequency_penalty or params.bad_words
+                or params.structured_outputs is not None)
 
 
 def _merge(deltas: list[SeqDelta]) -> SeqDelta:

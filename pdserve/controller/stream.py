@@ -68,6 +68,9 @@ class Stream:
     def tokens(self, index: int = 0) -> list[int]:
         return self.seqs[index].token_ids
 
+    def text(self, index: int = 0) -> str:
+        return self.seqs[index].text
+
     def set_prompt_logprobs(self, entries: list[list[TokenLogprob] | None] | None) -> None:
         if entries is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = [None if e is None else _lp_dict(e) for e in entries]

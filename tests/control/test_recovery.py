@@ -9,9 +9,11 @@ import pytest
 import zmq
 from fakepool import fast_settings, final_tokens, greedy, wait_until
 from vllm.exceptions import GracefulHTTPError
+from vllm.sampling_params import StructuredOutputsParams
 
 from pdserve import fake, protocol
 from pdserve.protocol import Role
+from pdserve.worker.engine import FORCED_TOKENS_ARG
 from pdserve.worker.worker import PDWorker
 
 PROMPT = list(range(400, 450))
@@ -65,6 +67,29 @@ async def test_decode_worker_lost_mid_stream_is_migrated_without_gaps(cluster, h
     assert len(d2.engine.served) == 1 and retries(cluster, "migration") == 1
     text = "".join(c.text for o in outs for c in o.outputs)
     assert text == fake.reference(PROMPT, params).text
+    await cluster.assert_clean()
+
+
+@pytest.mark.parametrize("constraint", [
+    {"presence_penalty": 0.5}, {"frequency_penalty": 0.5}, {"bad_words": ["never"]},
+    {"structured_outputs": StructuredOutputsParams(regex="[a-z ]+")}],
+    ids=["presence-penalty", "frequency-penalty", "bad-words", "grammar"])
+async def test_a_migrated_stream_whose_sampler_counts_its_outputs_redraws_them_as_outputs(
+        cluster, constraint):
+    # Put in the new engine's context, the tokens already streamed would escape its penalties
+    # and restart its grammar: they are drawn again (forced), as outputs.
+    await cluster.add("prefill")
+    await cluster.add("decode", fail_after_tokens=7)
+    d2, = await cluster.add("decode")
+    params = greedy(30, **constraint)
+    outs = await cluster.run(PROMPT, params)
+    tokens, ref = final_tokens(outs), fake.reference(PROMPT, greedy(30))
+    assert tokens == ref.token_ids
+    assert "".join(c.text for o in outs for c in o.outputs) == ref.text  # none of it twice
+    [(context, leg)] = d2.engine.received
+    forced = leg.extra_args[FORCED_TOKENS_ARG]
+    assert context == PROMPT and len(forced) > 1 and forced == tokens[:len(forced)]
+    assert leg.max_tokens == 30 and retries(cluster, "migration") == 1
     await cluster.assert_clean()
 
 

@@ -25,6 +25,10 @@ from test_pool import get_text, start_worker, workers
 
 LENGTHS = [5, 60, 127, 129, 300, 700, 1200]
 MAX_TOKENS = (8, 120, 200)
+# Some cases constrain the sampler as real clients do: a stream migrated off a killed engine
+# must go on under the same penalties and grammar state (tokens already out still count).
+CONSTRAINTS = ({}, {"presence_penalty": 0.8, "frequency_penalty": 0.4},
+               {"extra_body": {"structured_outputs": {"regex": "[a-z ]{1,400}"}}})
 # Half the requests bring a prompt never sent before: repeated prompts alone end up held by the
 # decode engines, which then serve them without a prefill, and the prefill workers go idle.
 FRESH = 0.5
@@ -63,10 +67,10 @@ def pool_summary(pd_server) -> list[tuple]:
 def test_kill_9_and_restart_under_load(pd_server, pd_client, ref_client, model_dir, logs):
     base = pd_server.base
     rng = random.Random(777)
-    cases = [(prompt_ids(n, seed=60_000 + k), mt)
+    cases = [(prompt_ids(n, seed=60_000 + k), mt, CONSTRAINTS[k % len(CONSTRAINTS)])
              for k, (n, mt) in enumerate((n, mt) for n in LENGTHS for mt in MAX_TOKENS)]
-    refs = [complete(ref_client, model_dir, p, max_tokens=mt, temperature=0)[0][0]
-            for p, mt in cases]
+    refs = [complete(ref_client, model_dir, p, max_tokens=mt, temperature=0, **kw)[0][0]
+            for p, mt, kw in cases]
 
     procs: dict[str, object] = {}
     starts = Counter()
@@ -93,7 +97,7 @@ def test_kill_9_and_restart_under_load(pd_server, pd_client, ref_client, model_d
                            max_retries=0)
 
     longest = [0.0]
-    fresh: list[tuple[str, list[int], int, str]] = []  # checked against one engine after the load
+    fresh: list[tuple[str, list[int], int, dict, tuple]] = []  # checked after the load
 
     def judge(name: str, got: str, ref: str) -> None:
         if got == ref:
@@ -109,18 +113,19 @@ def test_kill_9_and_restart_under_load(pd_server, pd_client, ref_client, model_d
                 made += 1
                 seed = 100_000 + 1_000 * k + made
                 prompt, mt = prompt_ids(r.choice(LENGTHS[1:]), seed=seed), r.choice(MAX_TOKENS)
-                name, ref = f"fresh prompt {seed}", None
+                kw, name, ref = r.choice(CONSTRAINTS), f"fresh prompt {seed}", None
             else:
                 i = r.randrange(len(cases))
-                (prompt, mt), name, ref = cases[i], f"case {i}", refs[i]
+                (prompt, mt, kw), name, ref = cases[i], f"case {i}", refs[i]
             count("sent")
             t0 = time.monotonic()
             try:
                 if r.random() < 0.5:
                     got = stream_complete(client, model_dir, prompt, max_tokens=mt,
-                                          temperature=0)
+                                          temperature=0, **kw)
                 else:
-                    got = complete(client, model_dir, prompt, max_tokens=mt, temperature=0)[0][0]
+                    got = complete(client, model_dir, prompt, max_tokens=mt, temperature=0,
+                                   **kw)[0][0]
             except openai.APITimeoutError:
                 count("lost", f"{name}: no answer after {REQUEST_TIMEOUT:.0f} s")
                 continue
@@ -129,7 +134,7 @@ def test_kill_9_and_restart_under_load(pd_server, pd_client, ref_client, model_d
                 continue
             if ref is None:
                 with lock:
-                    fresh.append((name, prompt, mt, got))
+                    fresh.append((name, prompt, mt, kw, got))
             else:
                 judge(name, got, ref)
             with lock:
@@ -170,9 +175,9 @@ def test_kill_9_and_restart_under_load(pd_server, pd_client, ref_client, model_d
         for t in threads:
             t.join(REQUEST_TIMEOUT + 30)
         elapsed = time.monotonic() - t_start
-        for name, prompt, mt, got in fresh:
+        for name, prompt, mt, kw, got in fresh:
             judge(name, got, complete(ref_client, model_dir, prompt, max_tokens=mt,
-                                      temperature=0)[0][0])
+                                      temperature=0, **kw)[0][0])
         # The last restarts come up (faster without the load) and take work again.
         for role in ("decode", "prefill"):
             wait_for(lambda role=role: ready(role), 400, f"the extra {role} worker to be back",
@@ -180,9 +185,9 @@ def test_kill_9_and_restart_under_load(pd_server, pd_client, ref_client, model_d
         legs = {r: workers(pd_server)[EXTRA[r]]["legs_total"] for r in EXTRA}
         # Every case once more, on engines whose prefix caches the load filled: a read that
         # put KV in the wrong blocks would show here too, in the answers of later requests.
-        wrong = [i for i, (prompt, mt) in enumerate(cases)
+        wrong = [i for i, (prompt, mt, kw) in enumerate(cases)
                  if complete(pd_client, model_dir, prompt, max_tokens=mt,
-                             temperature=0)[0][0] != refs[i]]
+                             temperature=0, **kw)[0][0] != refs[i]]
         assert not wrong, f"cases {wrong} differ from the plain engine after the load"
         served = {r: workers(pd_server)[EXTRA[r]]["legs_total"] - legs[r] for r in EXTRA}
         print(f"\nlegs served by the restarted extra workers: {served}")
