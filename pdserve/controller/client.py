@@ -108,18 +108,19 @@ class PDController(EngineClient):
                 continue
             self._had[side] = has
             others = bool(self.pool.registry.ready(other, suspect=True))
-            if has and had is False:
-                logger.info("a %s worker is ready again: %s", side.label,
-                            "requests are disaggregated again" if others else
-                            f"it serves new requests whole until a {other.label} worker is")
-            elif not has and not others:  # both gone: a whole pool draining, as serve stops
+            if has:
+                if had is False:
+                    logger.info("a %s worker is ready again: %s", side.label,
+                                "requests are disaggregated again" if others else
+                                f"it serves new requests whole until a {other.label} worker is")
+            elif not others:  # both gone: a whole pool draining, as serve stops
                 logger.warning("no %s worker is left, nor a %s worker: new requests are "
                                "refused (503) until one is ready", side.label, other.label)
-            elif not has and self.settings.fallback:
+            elif self.settings.fallback:
                 logger.warning("no %s worker is left: %s workers serve new requests whole "
                                "until one is ready (seeded ones wait for it)", side.label,
                                other.label)
-            elif not has:
+            else:
                 logger.warning("no %s worker is left: new requests wait for one, up to "
                                "--queue-timeout", side.label)
 

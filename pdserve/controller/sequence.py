@@ -68,8 +68,9 @@ class State(str, enum.Enum):
 class _Plan:
     """What one attempt of a sequence must do."""
 
-    ctx: list[int]  # prompt + the tokens whose text the client has
-    replay: list[int]  # tokens the client has without their text: drawn again (forced)
+    ctx: list[int]  # prompt + the tokens whose text the client has (_plan says when not)
+    replay: list[int]  # tokens the client has, not in ctx: drawn again (forced)
+    replay_text: str  # the text of those the client has: dropped from what they produce
     left: int  # tokens still to produce, replayed ones included
     min_left: int
     want_plp: bool  # prompt logprobs (first attempt only)
@@ -181,7 +182,6 @@ class Sequence:
         self._tag = uuid.uuid4().hex[:8]
         self.failed_on: set[str] = set()  # workers that failed this sequence: tried last
         self._streamed_text = ""  # text of the prefill's token, which decode reproduces
-        self._replayed_text = ""  # text of the tokens an attempt draws again
         self._given_logprob = 0.0  # of the prefill's token, when decode has it as context
         self._text_upto = 0  # leading tokens of the stream whose text the client has
         self.route: Route = new_route()  # where it went and why (receipts.py)
@@ -381,10 +381,10 @@ class Sequence:
         # penalties forgetting what was said, would change the rest of the answer.
         keep = 0 if _counts_outputs(self.params) else min(self._text_upto, len(done))
         first_attempt = not done and self.failures == 0
-        # The text the client has of the tokens drawn again: dropped from what they produce.
-        self._replayed_text = "" if keep else self.stream.text(self.index)
-        self._streamed_text, self._given_logprob = self._replayed_text, 0.0
+        replay_text = "" if keep else self.stream.text(self.index)
+        self._streamed_text, self._given_logprob = replay_text, 0.0
         return _Plan(ctx=self.prompt + done[:keep], replay=list(done[keep:]),
+                     replay_text=replay_text,
                      left=self.params.max_tokens - keep,
                      min_left=max(0, (self.params.min_tokens or 0) - keep),
                      want_plp=bool(self.params.prompt_logprobs) and first_attempt)
@@ -461,7 +461,7 @@ class Sequence:
             ctx, forced = a.ctx + first.token_ids, []
             self._given_logprob = first.cumulative_logprob or 0.0
         else:
-            self._streamed_text = self._replayed_text + first.text
+            self._streamed_text = a.replay_text + first.text
         # The token goes out at once (with --first-token decode, with the decode worker's first
         # output), once the decode leg is on its way: the handoff does not wait for the chunk.
         held = first if self.s.first_token == "decode" else None
