@@ -289,6 +289,13 @@ class PDController(EngineClient):
         raise GracefulHTTPError("pausing is done per worker (SIGTERM drains a worker)",
                                 HTTPStatus.BAD_REQUEST)
 
+    async def scale_elastic_ep(self, new_data_parallel_size: int,
+                               drain_timeout: int = 300) -> None:
+        # vLLM's /scale_elastic_ep answers a ValueError with a 400 carrying its text.
+        raise ValueError("pdserve scales by workers, not data-parallel ranks: start a `pdserve "
+                         "worker --role prefill|decode --controller ...` to add one, send one "
+                         "SIGTERM to drain it")
+
     async def resume_generation(self) -> None:
         return None
 

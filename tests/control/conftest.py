@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import httpx
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -71,3 +72,30 @@ async def pd(cluster) -> Cluster:
     await cluster.add("prefill")
     await cluster.add("decode")
     return cluster
+
+
+@pytest.fixture
+async def http(make_cluster, vllm_config):
+    """`await http(settings)`: an httpx client on vLLM's OpenAI app over a fresh cluster."""
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+    from vllm.entrypoints.launchers.app import build_app
+
+    from pdserve.controller.server import add_routes, make_parser
+
+    clients: list[httpx.AsyncClient] = []
+
+    async def make(settings):
+        c = await make_cluster(settings=settings)
+        args = make_parser().parse_args(["--model", vllm_config.model_config.model])
+        tasks = await c.controller.get_supported_tasks()
+        app = build_app(args, tasks, c.controller.model_config)
+        add_routes(app, c.controller, c.controller.metrics)
+        await init_app_state(c.controller, app.state, args, tasks)
+        client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                   base_url="http://pdserve", timeout=60)
+        clients.append(client)
+        return c, client
+
+    yield make
+    for client in clients:
+        await client.aclose()

@@ -8,7 +8,6 @@ import json
 import logging
 from http import HTTPStatus
 
-import httpx
 import pytest
 from fakepool import cancelled_after, fast_settings, wait_until
 
@@ -300,33 +299,6 @@ async def test_a_waiter_cancelled_as_its_slot_comes_is_cancelled_and_frees_it():
 
 
 # ---- through vLLM's HTTP app over a controller with fake workers -----------------------------
-
-
-@pytest.fixture
-async def http(make_cluster, vllm_config):
-    """`await http(settings)`: an httpx client on vLLM's OpenAI app over a fresh cluster."""
-    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
-    from vllm.entrypoints.launchers.app import build_app
-
-    from pdserve.controller.server import add_routes, make_parser
-
-    clients: list[httpx.AsyncClient] = []
-
-    async def make(settings):
-        c = await make_cluster(settings=settings)
-        args = make_parser().parse_args(["--model", vllm_config.model_config.model])
-        tasks = await c.controller.get_supported_tasks()
-        app = build_app(args, tasks, c.controller.model_config)
-        add_routes(app, c.controller, c.controller.metrics)
-        await init_app_state(c.controller, app.state, args, tasks)
-        client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                   base_url="http://pdserve", timeout=60)
-        clients.append(client)
-        return c, client
-
-    yield make
-    for client in clients:
-        await client.aclose()
 
 
 def body(model: str, max_tokens: int = 20, stream: bool = False, n: int = 1) -> dict:
