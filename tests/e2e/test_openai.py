@@ -278,3 +278,50 @@ def test_client_kv_transfer_params_are_ignored(pd_client, ref_client, model_dir)
                                      extra_body={**IDS, "kv_transfer_params": bogus})
     ref, _ = complete(ref_client, model_dir, prompt, max_tokens=6, temperature=0)
     assert r.choices[0].token_ids == ref[0][1]
+
+
+def test_beam_search_equals_plain_engine(pd_client, ref_client, model_dir):
+    """vLLM's server runs beam search as one request per step of each beam (one token, with
+    logprobs): each is served by a prefill worker alone, and the beams are one engine's."""
+    prompt = prompt_ids(80, seed=9200)
+    kw = dict(max_tokens=6, n=2, extra_body={"use_beam_search": True})
+    ours, _ = complete(pd_client, model_dir, prompt, **kw)
+    ref, _ = complete(ref_client, model_dir, prompt, **kw)
+    assert len(ours) == 2
+    assert ours == ref
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_api_equals_plain_engine(pd_client, ref_client, model_dir, stream):
+    kw = dict(model=model_dir, input="Tell me about the sea and its tides. " * 20,
+              max_output_tokens=24, temperature=0)
+
+    def text(client) -> str:
+        if not stream:
+            return client.responses.create(**kw).output_text
+        events = client.responses.create(stream=True, **kw)
+        return "".join(e.delta for e in events if e.type == "response.output_text.delta")
+
+    ours = text(pd_client)
+    assert ours
+    assert ours == text(ref_client)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_anthropic_messages_api_equals_plain_engine(pd_client, ref_client, model_dir, stream):
+    import anthropic
+
+    kw = dict(model=model_dir, max_tokens=24, extra_body={"temperature": 0},
+              messages=[{"role": "user", "content": "Write about mountains and rivers. " * 20}])
+
+    def text(openai_client) -> str:
+        root = str(openai_client.base_url).rstrip("/").removesuffix("/v1")
+        client = anthropic.Anthropic(base_url=root, api_key="none", max_retries=0, timeout=120)
+        if not stream:
+            return "".join(b.text for b in client.messages.create(**kw).content)
+        with client.messages.stream(**kw) as s:
+            return "".join(s.text_stream)
+
+    ours = text(pd_client)
+    assert ours
+    assert ours == text(ref_client)
