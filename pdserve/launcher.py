@@ -6,7 +6,8 @@ this terminal) -> one line per child as it comes up -> `pdserve ready: URL` and 
 try. A child that exits during start-up ends serve with the end of its log.
 
 Once the pool is ready, a worker that exits is restarted with a backoff and the controller
-exiting ends serve (pdserve/supervisor.py). Ctrl-C / SIGTERM drains the workers, then stops
+exiting ends serve (pdserve/supervisor.py). Ctrl-C / SIGTERM stops the controller first (it
+refuses new requests and lets the streams in flight finish), then drains the workers and stops
 everything (a worker waiting for its restart is not started again; a second Ctrl-C stops
 everything at once) and removes the temporary files this command created; the logs stay.
 """
@@ -229,13 +230,14 @@ def serve(args) -> int:
     env.setdefault("VLLM_RPC_BASE_PATH", tmp)
 
     def spawn(name: str, cmd: list[str]) -> Child:
+        worker = name != "controller"
         if logs is None:
             return Child(name, subprocess.Popen(cmd, env=env, start_new_session=True,
-                                                stdin=subprocess.DEVNULL))
+                                                stdin=subprocess.DEVNULL), worker=worker)
         with open(logs / f"{name}.log", "ab") as log:  # a restarted child appends
             proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=log,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        return Child(name, proc, logs / f"{name}.log")
+        return Child(name, proc, logs / f"{name}.log", worker=worker)
 
     sup = Supervisor(spawn, leftovers=Leftovers())
     roles = ["prefill"] * args.prefill + ["decode"] * args.decode
@@ -290,7 +292,8 @@ def serve(args) -> int:
         t0 = time.monotonic()
         if signals:
             what = "Ctrl-C" if signals[0] == signal.SIGINT else signal.Signals(signals[0]).name
-            progress.say(f"stopping ({what}): draining the workers; Ctrl-C again stops at once")
+            progress.say(f"stopping ({what}): new requests are refused, the streams in flight "
+                         "finish, then the workers drain; Ctrl-C again stops at once")
         sup.stop(drain_timeout=args.drain_timeout)
         shutil.rmtree(tmp, ignore_errors=True)
         for s, h in old.items():

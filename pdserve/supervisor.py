@@ -38,7 +38,7 @@ class Child:
     name: str
     proc: subprocess.Popen
     log: Path | None = None  # its output, unless it goes to serve's own
-    worker: bool = True  # a pdserve worker: DRAIN_SIGNAL drains it (the controller: not)
+    worker: bool = True  # a pdserve worker: DRAIN_SIGNAL drains it; else a front, stopped first
 
     def signal_group(self, sig: int) -> None:
         try:
@@ -185,14 +185,19 @@ class Supervisor:
 
 
 def stop_children(children: list[Child], drain_timeout: float) -> None:
-    """Drain the workers, then SIGTERM the controller (and workers still there: they stop at
-    once); SIGKILL whatever is left."""
-    workers = [c for c in children if c.name != "controller"]
-    for c in workers:
-        if c.worker:  # drain-only: under systemd's stop it has had SIGTERM already, and a
-            c.signal(DRAIN_SIGNAL)  # second SIGTERM would stop it at once
-        else:
-            c.signal_group(signal.SIGTERM)
+    """Stop the front first: SIGTERM every child that is not a worker (the controller), which
+    refuses new requests (503, /health failing) and lets its streams finish while the workers
+    still take their legs; a draining worker refuses new legs, a decode leg included, so
+    draining the workers first would strand a request between its prefill and its decode.
+    Then drain the workers, SIGTERM whatever is left (workers still there stop at once), and
+    SIGKILL what is left after that."""
+    front = [c for c in children if not c.worker]
+    workers = [c for c in children if c.worker]
+    for c in front:
+        c.signal_group(signal.SIGTERM)
+    _wait(front, drain_timeout)
+    for c in workers:  # drain-only: under systemd's stop it has had SIGTERM already, and a
+        c.signal(DRAIN_SIGNAL)  # second SIGTERM would stop it at once
     _wait(workers, drain_timeout)
     for c in children:
         if c.proc.poll() is None:

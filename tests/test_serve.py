@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -135,7 +136,8 @@ def test_a_quiet_start_a_short_name_and_ctrl_c(tmp_path) -> None:
     assert '"model": "tiny"' in out and f"curl http://127.0.0.1:{port}/v1/completions" in out
     # Ctrl-C says so, and stops it all in seconds.
     assert p.proc.returncode == 0 and stop_s < 30, (p.proc.returncode, stop_s)
-    assert lines[-2].startswith("pdserve: stopping (Ctrl-C): draining the workers")
+    assert lines[-2].startswith("pdserve: stopping (Ctrl-C): new requests are refused, the "
+                                "streams in flight finish, then the workers drain")
     assert lines[-1].startswith("pdserve: stopped in ")
     # The children's logs went to the run folder, without serve's own polling.
     logs = {f.name: f.read_text() for f in runs.iterdir()}
@@ -179,6 +181,58 @@ def test_systemds_stop_of_every_process_lets_a_stream_finish(tmp_path) -> None:
     assert p.proc.returncode == 0, p.log()
     decode = (tmp_path / "run" / "decode-1.log").read_text()
     assert "SIGTERM: draining" in decode and "stopping now" not in decode, decode
+
+
+def stream_in_thread(url: str, body: dict) -> tuple[threading.Thread, list[dict]]:
+    """Stream `body` from a thread; the chunks go into the list as they come."""
+    chunks: list[dict] = []
+
+    def read() -> None:
+        req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            chunks.extend(json.loads(ln[6:]) for ln in r if ln.startswith(b"data: {"))
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    return t, chunks
+
+
+def test_ctrl_c_refuses_new_requests_and_finishes_one_between_its_prefill_and_decode(
+        tmp_path) -> None:
+    """Ctrl-C stops the front first: the controller refuses new requests (it stops listening;
+    a request that got in meanwhile gets a 503) while the workers still take the legs of those
+    in flight, so a request whose prefill was running
+    when Ctrl-C came is decoded to its end. (Draining the workers first had the decode worker
+    refuse its decode leg, and the stream stopped after its first token.)"""
+    port, wport = free_port(), free_port()
+    driver = FAKE_WORKERS.replace(
+        '"--model", model]', '"--model", model, "--decode-delay", "0.02", '
+        '"--prefill-delay-per-token", "0.003"]')
+    p = Proc("serve", serve("--port", str(port), "--worker-port", str(wport), "--log-dir",
+                            str(tmp_path / "run"), driver=driver), tmp_path)
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    try:
+        wait_for(lambda: "pdserve ready" in p.log(), 300, "pdserve serve", [p])
+        t, chunks = stream_in_thread(url, {
+            "model": "tiny", "prompt": list(range(5, 1005)), "max_tokens": 40,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
+        time.sleep(1.0)  # 1,000 prompt tokens at 3 ms each: the prefill is running
+        assert not chunks
+        p.signal(signal.SIGINT)
+        time.sleep(0.5)
+        try:  # the controller stops listening as it stops (server.stop_listening)
+            status = post(url, {"model": "tiny", "prompt": "def main(", "max_tokens": 4})[0]
+        except urllib.error.URLError as e:
+            status = type(e.reason).__name__
+        t.join(60)
+        p.proc.wait(60)
+    finally:
+        p.stop()
+    assert status in (503, "ConnectionRefusedError"), status
+    finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert finish[-1] == "length" and chunks[-1]["usage"]["completion_tokens"] == 40, chunks[-3:]
+    assert p.proc.returncode == 0, p.log()
 
 
 def serve_to_the_end(logs, driver: str) -> subprocess.CompletedProcess:

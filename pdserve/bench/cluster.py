@@ -241,7 +241,8 @@ class PdDeployment(Deployment):
         cores = launcher.assign_cores(len(roles), available)
         self.cores["controller"] = launcher.controller_cores(roles, cores, self.controller_args)
         self.spawn("controller", self.controller_command(port, wport, keydir,
-                                                         self.cores["controller"]), env)
+                                                         self.cores["controller"]), env,
+                   worker=False)
         controller = f"tcp://127.0.0.1:{wport}"
         for i, (role, core) in enumerate(zip(roles, cores)):
             name = f"{role}-{i}"
