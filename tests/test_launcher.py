@@ -15,9 +15,9 @@ import pytest
 from procs import gone
 
 from pdserve.launcher import wait_ready
-from pdserve.worker.main import DRAIN_SIGNAL
 from pdserve.supervisor import (Backoff, Child, ChildExited, Supervisor, stop_children,
                                 supervise)
+from pdserve.worker.main import DRAIN_SIGNAL
 
 
 class FakeClock:
@@ -221,50 +221,41 @@ def test_stopping_stops_every_worker_and_restarts_none(real_spawner) -> None:
     assert [name for name, _ in started] == ["decode-1", "prefill-1"]
 
 
-class _StopLog:
-    """Children whose signals and exits go into one log, in order: each exits when waited on."""
+class _LoggedProc(FakeProc):
+    """Its signals and its exit (when waited on) go into a log shared with other children."""
 
-    def __init__(self):
-        self.events: list[tuple[str, str]] = []
+    def __init__(self, name: str, log: list[tuple[str, str]]):
+        super().__init__()
+        self.name, self.log = name, log
 
-    def child(self, name: str, worker: bool) -> Child:
-        log = self.events
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.returncode = 0
+            self.log.append((self.name, "exited"))
+        return 0
 
-        class Proc:
-            pid = 0
-            returncode: int | None = None
+    def send_signal(self, sig: int) -> None:
+        self.log.append((self.name, signal.Signals(sig).name))
 
-            def poll(self) -> int | None:
-                return self.returncode
 
-            def wait(self, timeout: float | None = None) -> int:
-                if self.returncode is None:
-                    self.returncode = 0
-                    log.append((name, "exited"))
-                return 0
-
-            def send_signal(self, sig: int) -> None:
-                log.append((name, signal.Signals(sig).name))
-
-        class Logged(Child):
-            def signal_group(self, sig: int) -> None:
-                if self.proc.poll() is None:
-                    log.append((name, signal.Signals(sig).name))
-
-        return Logged(name, Proc(), worker=worker)  # type: ignore[arg-type]
+class _LoggedChild(Child):
+    def signal_group(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
 
 
 def test_stopping_stops_the_controller_before_the_workers_drain() -> None:
     """The controller stops first (new requests refused, its streams finishing on workers that
     still take their legs); only once it has exited are the workers told to drain."""
-    log = _StopLog()
-    children = [log.child("controller", worker=False), log.child("prefill-1", worker=True),
-                log.child("decode-1", worker=True)]
+    log: list[tuple[str, str]] = []
+    children: list[Child] = [
+        _LoggedChild(name, _LoggedProc(name, log), worker=name != "controller")
+        for name in ("controller", "prefill-1", "decode-1")]
     stop_children(children, drain_timeout=5)
     drain = signal.Signals(DRAIN_SIGNAL).name
-    assert log.events == [("controller", "SIGTERM"), ("controller", "exited"),
-                          ("prefill-1", drain), ("decode-1", drain),
-                          ("prefill-1", "exited"), ("decode-1", "exited")]
+    assert log == [("controller", "SIGTERM"), ("controller", "exited"),
+                   ("prefill-1", drain), ("decode-1", drain),
+                   ("prefill-1", "exited"), ("decode-1", "exited")]
 
 
 def test_the_loop_ends_when_the_controller_exits(real_spawner) -> None:
