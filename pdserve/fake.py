@@ -174,7 +174,7 @@ class FakeEngine:
                  prefill_delay_per_token: float = 0.0, decode_delay: float = 0.0,
                  hold_timeout: float = 120.0, fail_after_tokens: int | None = None,
                  stall_after_tokens: int | None = None, kv_events: bool = True,
-                 max_seqs: int = 0, last_output_delay: float = 0.0):
+                 max_seqs: int = 0, last_output_delay: float = 0.0, kv_read_delay: float = 0.0):
         self.info = info or fake_info()
         self.address = address
         self.kv_port = kv_port
@@ -193,6 +193,9 @@ class FakeEngine:
         # the engine core to the worker's output handler): an abort in between finds the
         # request finished, and a prefill's blocks already held.
         self.last_output_delay = last_output_delay
+        # How long a decode request waits before its KV is read (a busy engine schedules it
+        # steps later): the prefill engine must still hold the blocks then.
+        self.kv_read_delay = kv_read_delay
         self.dead = False
         self._held: dict[str, _Hold] = {}
         self._active: dict[str, int] = {}  # request id -> blocks in use
@@ -271,9 +274,11 @@ class FakeEngine:
                              f"{self.info.max_model_len}")
         if request_id in self._active:
             raise ValueError(f"request {request_id} is already running")
+        kv_in = (p.extra_args or {}).get("kv_transfer_params") or {}
+        if kv_in.get("do_remote_prefill"):
+            await asyncio.sleep(self.kv_read_delay)
         await self._scheduled()
         try:
-            kv_in = (p.extra_args or {}).get("kv_transfer_params") or {}
             remote_decode = bool(kv_in.get("do_remote_decode"))
             cached = local = self.cache.cached_tokens(prompt)
             read_stats = None

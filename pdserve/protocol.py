@@ -188,6 +188,10 @@ class Generate(_Msg):
     # Tokens the engine must draw first, in order (tokens the client already has: the prefill's
     # token on a decode leg, tokens replayed after a migration); sampled as asked after them.
     forced_tokens: list[int] | None = None
+    # A local leg that goes on from a prefill leg this worker finished (its id): the prompt's
+    # KV is in the engine's cache, and no decode worker was left to read it. A draining worker
+    # takes it (the second half of a request it already served), as it takes releases.
+    continues: str | None = None
 
 
 class Abort(_Msg):

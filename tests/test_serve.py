@@ -198,13 +198,31 @@ def stream_in_thread(url: str, body: dict) -> tuple[threading.Thread, list[dict]
     return t, chunks
 
 
-def test_ctrl_c_refuses_new_requests_and_finishes_one_between_its_prefill_and_decode(
-        tmp_path) -> None:
-    """Ctrl-C stops the front first: the controller refuses new requests (it stops listening;
-    a request that got in meanwhile gets a 503) while the workers still take the legs of those
-    in flight, so a request whose prefill was running
-    when Ctrl-C came is decoded to its end. (Draining the workers first had the decode worker
-    refuse its decode leg, and the stream stopped after its first token.)"""
+def ctrl_c(p: Proc) -> None:
+    p.signal(signal.SIGINT)  # serve's process group, as a terminal sends it
+
+
+def systemd_stop(p: Proc) -> None:
+    """systemd's default stop (KillMode=control-group): SIGTERM to every process at once."""
+    from pdserve.procfs import tree
+
+    for pid in tree(p.pid):
+        os.kill(pid, signal.SIGTERM)
+
+
+@pytest.mark.parametrize("stop", [ctrl_c, systemd_stop], ids=["ctrl-c", "systemd"])
+def test_a_stop_refuses_new_requests_and_finishes_one_between_its_prefill_and_decode(
+        stop, tmp_path) -> None:
+    """The controller refuses new requests (it stops listening; a request that got in
+    meanwhile gets a 503), and a request whose prefill was running when the stop came is
+    decoded to its end.
+
+    Ctrl-C: serve stops the front first, while the workers still take the legs of those in
+    flight. (Draining the workers first had the decode worker refuse its decode leg, and the
+    stream stopped after its first token.) systemd's stop drains every worker at the same
+    moment: the prefill worker stays up for its prefill's KV and, with no decode worker left
+    to take it, goes on from it itself. (Before, the request ended with finish reason "abort"
+    after its first token.)"""
     port, wport = free_port(), free_port()
     driver = FAKE_WORKERS.replace(
         '"--model", model]', '"--model", model, "--decode-delay", "0.02", '
@@ -219,7 +237,7 @@ def test_ctrl_c_refuses_new_requests_and_finishes_one_between_its_prefill_and_de
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
         time.sleep(1.0)  # 1,000 prompt tokens at 3 ms each: the prefill is running
         assert not chunks
-        p.signal(signal.SIGINT)
+        stop(p)
         time.sleep(0.5)
         try:  # the controller stops listening as it stops (server.stop_listening)
             status = post(url, {"model": "tiny", "prompt": "def main(", "max_tokens": 4})[0]

@@ -234,6 +234,7 @@ class Timeline:
     def local(self, worker_id: str) -> None:
         self._chosen()
         self.worker = worker_id
+        self.awaiting_decode = False  # a prefill gone on from where it ran: no KV handoff
         self.m.local.inc()
 
     def decode_started(self, worker_id: str) -> None:

@@ -41,7 +41,7 @@ from pdserve.controller.kvindex import block_keys
 from pdserve.controller.phases import HandoffClock
 from pdserve.controller.pool import Leg, Pool, WorkerLost
 from pdserve.controller.receipts import Route, new_route
-from pdserve.controller.registry import Worker
+from pdserve.controller.registry import Worker, WorkerState
 from pdserve.controller.router import Cached, Policy
 from pdserve.controller.stream import Stream
 from pdserve.errors import NoWorkerAvailable, RequestFailed, StepTimeout
@@ -104,6 +104,10 @@ class Settings:
 
 class WorkerFailed(Exception):
     """A worker reported an engine error for a leg (another worker may succeed)."""
+
+
+class LegRefused(WorkerFailed):
+    """A draining worker refused a leg before running it (another worker may take it)."""
 
 
 class _NoneLeft(Exception):
@@ -440,7 +444,7 @@ class Sequence:
         first, kv, leg = await self._prefill(p, a)
         self._clock = HandoffClock(prefill_out=time.monotonic())
         if first is None:  # a seeded request: the decode worker draws the first token
-            async for _ in self._handoff(a, d, self._kv(kv, p), list(a.replay), a.ctx):
+            async for _ in self._handoff(a, d, leg, self._kv(kv, p), list(a.replay), a.ctx):
                 yield
             return
         ends_here = first.finish_reason is not None and (first.finish_reason != "length"
@@ -465,7 +469,7 @@ class Sequence:
         # The token goes out at once (with --first-token decode, with the decode worker's first
         # output), once the decode leg is on its way: the handoff does not wait for the chunk.
         held = first if self.s.first_token == "decode" else None
-        async for _ in self._handoff(a, d, kv, forced, ctx, held=held,
+        async for _ in self._handoff(a, d, leg, kv, forced, ctx, held=held,
                                      now=None if held else first):
             yield
 
@@ -503,50 +507,97 @@ class Sequence:
         first = None if own_draw(self.params) else _merge([d for o in outs for d in o.seqs])
         return first, kv, leg
 
-    async def _handoff(self, a: _Plan, d: Worker, kv: dict, forced: list[int], ctx: list[int],
-                       held: SeqDelta | None = None, now: SeqDelta | None = None,
-                       ) -> AsyncIterator[None]:
-        """Decode worker `d` (another, if it is gone meanwhile) pulls the KV of `ctx` (the
-        prefill's context, or that and its token), redraws `forced` (dropped here) and decodes
-        on. `now`, the prefill's token, is streamed as soon as the decode leg is sent (first,
-        if another decode worker must be waited for); `held` goes out with its first output."""
+    async def _handoff(self, a: _Plan, d: Worker, prefill: Leg, kv: dict, forced: list[int],
+                       ctx: list[int], held: SeqDelta | None = None,
+                       now: SeqDelta | None = None) -> AsyncIterator[None]:
+        """Decode worker `d` (another, if it is gone or refuses meanwhile) pulls the KV of `ctx`
+        (the prefill's context, or that and its token), redraws `forced` (dropped here) and
+        decodes on; with no decode worker left, the prefill worker goes on from its own cache
+        (`_goes_on_at`). `now`, the prefill's token, is streamed as soon as the decode leg is
+        sent (first, if another decode worker must be waited for); `held` goes out with its
+        first output."""
         self.state = State.HANDOFF
-        if d not in self.pool.registry.ready(Role.DECODE):
-            if now is not None:
-                self._emit(now)
-                yield
-                self._check_aborted()
-                now = None
-            d, cached = await self._choose(Role.DECODE, self.decode_policy, a.ctx)
-            self.route.decode, self.route.decode_cached = d.id, cached
-        self._unreserve()  # the leg counts from here on
-        given = len(ctx) - len(a.ctx)  # tokens already drawn that are context, not output
-        leg = self._send(d, Phase.DECODE, ctx, leg_params(
+        p = prefill.worker
+        while True:
+            if d not in self.pool.registry.ready(Role.DECODE):
+                if now is not None:
+                    self._emit(now)
+                    yield
+                    self._check_aborted()
+                    now = None
+                if self._goes_on_at(p):
+                    async for _ in self._go_on(a, prefill, forced, ctx, held):
+                        yield
+                    return
+                d, cached = await self._choose(Role.DECODE, self.decode_policy, a.ctx)
+                self.route.decode, self.route.decode_cached = d.id, cached
+            self._unreserve()  # the leg counts from here on
+            given = len(ctx) - len(a.ctx)  # tokens already drawn that are context, not output
+            leg = self._send(d, Phase.DECODE, ctx, leg_params(
+                self.params, max_tokens=a.left - given, min_tokens=max(0, a.min_left - given),
+                prompt_logprobs=False), kv_transfer_params=kv, forced=forced)
+            if self._clock is not None:
+                self._clock.decode_sent = time.monotonic()
+            self.pending_kv = None  # the decode worker now owns the handoff
+            try:
+                if now is not None:
+                    self._emit(now)
+                    yield
+                    self._check_aborted()
+                    now = None
+                async for _ in self._relay(leg, "KV handoff", first_timeout=self.s.token_timeout,
+                                           skip=forced, held=held, handed=prefill):
+                    yield
+                return
+            except LegRefused:  # draining: the KV is still where it was, for another
+                if d in self.pool.registry.ready(Role.DECODE):  # (so that this ends)
+                    raise
+                self.pending_kv = (kv, p)
+            except (WorkerLost, WorkerFailed, StepTimeout):
+                if not leg.outputs:  # it failed before pulling the KV (a dead engine): free it
+                    self.pool.release_kv(kv, self._leg_id("r"), exclude=d.id)
+                raise
+
+    def _goes_on_at(self, p: Worker) -> bool:
+        """No decode worker is left in the pool (none ready, none late with its heartbeat), and
+        prefill worker `p`, which holds the context's KV, is still there, draining or not: it
+        serves the rest of the request (not a seeded one: module docstring). A stop of every
+        process at once (systemd's) leaves a request between its prefill and decode so."""
+        registry = self.pool.registry
+        return (self.s.fallback and not own_draw(self.params)
+                and not registry.ready(Role.DECODE, suspect=True)
+                and registry.workers.get(p.id) is p
+                and p.state in (WorkerState.READY, WorkerState.SUSPECT, WorkerState.DRAINING))
+
+    async def _go_on(self, a: _Plan, prefill: Leg, forced: list[int], ctx: list[int],
+                     held: SeqDelta | None) -> AsyncIterator[None]:
+        """The rest of the request on the worker that prefilled it, as a local leg that goes
+        on from that prefill: its context is in the engine's prefix cache, whose held blocks
+        are then freed (after the leg, so that a draining worker still takes it)."""
+        p = prefill.worker
+        self._unreserve()
+        self.state = State.LOCAL
+        self.route.path, self.route.reason = "local", NO_WORKER[Role.DECODE]
+        self.route.decode, self.route.decode_cached = p.id, None
+        self._clock = None
+        self.obs.local(p.id)
+        given = len(ctx) - len(a.ctx)
+        leg = self._send(p, Phase.LOCAL, ctx, leg_params(
             self.params, max_tokens=a.left - given, min_tokens=max(0, a.min_left - given),
-            prompt_logprobs=False), kv_transfer_params=kv, forced=forced)
-        if self._clock is not None:
-            self._clock.decode_sent = time.monotonic()
-        self.pending_kv = None  # the decode worker now owns the handoff
-        try:
-            if now is not None:
-                self._emit(now)
-                yield
-                self._check_aborted()
-            async for _ in self._relay(leg, "KV handoff", first_timeout=self.s.token_timeout,
-                                       skip=forced, held=held):
-                yield
-        except (WorkerLost, WorkerFailed, StepTimeout):
-            if not leg.outputs:  # it failed before pulling the KV (a dead engine): free it
-                self.pool.release_kv(kv, self._leg_id("r"), exclude=d.id)
-            raise
+            prompt_logprobs=False), forced=forced, continues=prefill.id)
+        self._release_pending()
+        async for _ in self._relay(leg, "local prefill", first_timeout=self.s.prefill_timeout,
+                                   skip=forced, held=held):
+            yield
 
     # ---- helpers ---------------------------------------------------------------------------
 
     def _send(self, worker: Worker, phase: Phase, tokens: list[int], params: bytes,
               kv_transfer_params: dict | None = None, forced: list[int] | None = None,
-              prefill_tokens: int = 0) -> Leg:
+              prefill_tokens: int = 0, continues: str | None = None) -> Leg:
         msg = protocol.Generate(self._leg_id(phase.name.lower()[0]), phase, tokens,
-                                msgspec.Raw(params), kv_transfer_params, forced or None)
+                                msgspec.Raw(params), kv_transfer_params, forced or None,
+                                continues)
         leg = self.pool.send(worker, msg, prefill_tokens)
         self.legs.append(leg)
         return leg
@@ -576,6 +627,8 @@ class Sequence:
                 if item.error is not None:
                     if item.error_kind == ErrorKind.INVALID:
                         raise ValueError(item.error)
+                    if item.error_kind == ErrorKind.DRAINING:
+                        raise LegRefused(f"worker {leg.worker.id}: {item.error}")
                     if item.error_kind == ErrorKind.DEAD:  # nothing more runs there
                         self.pool.lost(leg.worker, f"its engine died ({item.error})")
                     raise WorkerFailed(f"worker {leg.worker.id}: {item.error}")
@@ -616,14 +669,18 @@ class Sequence:
                     self.pool.release_kv(item.kv_transfer_params, f"{leg.id}-unread")
 
     async def _relay(self, leg: Leg, step: str, first_timeout: float,
-                     skip: list[int] | None = None, held: SeqDelta | None = None
-                     ) -> AsyncIterator[None]:
+                     skip: list[int] | None = None, held: SeqDelta | None = None,
+                     handed: Leg | None = None) -> AsyncIterator[None]:
         """Feed a leg's tokens into the stream, first dropping `skip` (tokens already streamed,
         which the worker must reproduce); `held`, the prefill's token not yet streamed, goes out
-        with the leg's first output."""
+        with the leg's first output, and `handed`, the prefill leg whose KV it read, is told
+        so then (Pool.handed)."""
         skip = list(skip or [])
         first, unsaid = True, False
         async for out in self._outputs(leg, step, first_timeout, self.s.token_timeout):
+            if handed is not None:
+                self.pool.handed(handed)
+                handed = None
             if out.timings is not None and self._clock is not None:
                 self._clock.first_out, self._clock.timings = time.monotonic(), out.timings
             if out.kv_transfer_params and KV_READ_STATS in out.kv_transfer_params:

@@ -57,6 +57,10 @@ logger = logging.getLogger(__name__)
 # intervals (tests make it larger: a loaded test machine stalls for seconds).
 MISSED_ACKS_BEFORE_LOST = 3
 MAX_BATCH = 256  # outputs in one Outputs message
+# How long a draining worker stays up after a prefill it finished, for the KV to be read by the
+# decode worker (or, with none left, for the controller to go on from it here): the engine's
+# blocks go with it. A controller that has the first decode output says so sooner (Abort).
+HANDOFF_WAIT_S = 5.0
 # Seconds before the other controllers hear of decode slots a controller's streams freed: time
 # for it to fill them from its own line (a few ms from the stream's end, more under load).
 FREED_AFTER = 0.1
@@ -187,6 +191,9 @@ class PDWorker:
         # finished them already (holding their blocks for a decode) with that output on its way
         # here, which the abort drops; vLLM's abort of a finished request frees nothing.
         self.prefilling: set[tuple[int, str]] = set()
+        # Prefill legs finished here whose KV may not have been read yet: until when a draining
+        # worker waits for it (HANDOFF_WAIT_S), oldest first.
+        self.handing: dict[tuple[int, str], float] = {}
         self.stopped = asyncio.Event()
         self.engine_dead = False
         self.left = False  # unregistered from every controller
@@ -239,7 +246,7 @@ class PDWorker:
         logger.info("worker %s draining: %d requests in flight", self.worker_id, len(self.tasks))
         self._tell_all(protocol.Drain(self.worker_id))
         deadline = time.monotonic() + self.drain_timeout
-        while self.tasks and time.monotonic() < deadline:
+        while (self.tasks or self._handing()) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self.tasks:
             logger.warning("drain timeout: aborting %d requests", len(self.tasks))
@@ -248,6 +255,14 @@ class PDWorker:
         await asyncio.sleep(0.1)  # let the unregister leave before the sockets close
         logger.info("worker %s drained and unregistered", self.worker_id)
         self.stop()
+
+    def _handing(self) -> bool:
+        """Whether a prefill finished here may still be read or gone on from (forgets those
+        past their wait)."""
+        now = time.monotonic()
+        while self.handing and next(iter(self.handing.values())) <= now:
+            del self.handing[next(iter(self.handing))]
+        return bool(self.handing)
 
     def _leave(self, reason: str) -> None:
         """Unregister from every controller, once."""
@@ -495,6 +510,8 @@ class PDWorker:
         logger.info("controller %s (%s) is leaving (%s): aborting its %d requests", link.url,
                     msg.controller_id, msg.reason or "no reason given", self._count(i))
         link.unregister()
+        for key in [k for k in self.handing if k[0] == i]:
+            del self.handing[key]
         await self._abort_link(i)
 
     # ---- requests --------------------------------------------------------------------------
@@ -550,7 +567,10 @@ class PDWorker:
     def _on_generate(self, i: int, msg: protocol.Generate) -> None:
         key = (i, msg.request_id)
         link = self.links[i]
-        if self.draining or link.refused or link.retiring:
+        goes_on = (msg.continues is not None  # see Generate
+                   and self.handing.pop((i, msg.continues), None) is not None)
+        if (self.draining and not goes_on and msg.phase != Phase.RELEASE
+                or link.refused or link.retiring):
             self._reply(i, Output(msg.request_id, [], finished=True, error="worker is draining",
                                   error_kind=ErrorKind.DRAINING))
             return
@@ -565,6 +585,10 @@ class PDWorker:
             self.prefilling.add(key)
         task.add_done_callback(lambda _t: self._ended(key))
         self._others_changed()
+
+    def _hand(self, key: tuple[int, str]) -> None:
+        self._handing()  # the oldest forgotten first: the dict stays bounded
+        self.handing[key] = time.monotonic() + HANDOFF_WAIT_S
 
     def _ended(self, key: tuple[int, str]) -> None:
         self.tasks.pop(key, None)
@@ -586,6 +610,8 @@ class PDWorker:
                      if (kv := self.unstarted.pop((i, rid), None)) is not None]
         prefills = [rid for rid in owned if (i, rid) in self.prefilling]
         self.prefilling.difference_update((i, rid) for rid in prefills)
+        for rid in request_ids:  # a finished prefill's: its KV was read (or never will be)
+            self.handing.pop((i, rid), None)
         return _Ending(owned, unstarted, prefills)
 
     async def _end_in_engine(self, ending: _Ending) -> None:
@@ -614,7 +640,7 @@ class PDWorker:
         if ending.owned or ending.unstarted or ending.prefills:
             self._spawn(self._end_in_engine(ending))
 
-    async def _release(self, rid: str, kv: dict) -> None:
+    async def _release(self, i: int, rid: str, kv: dict) -> None:
         """A controller's release of blocks no decode will read: held by a prefill engine
         elsewhere (kv names it: this engine tells it), or by this one (the requests named, as
         this engine reported them, when the controller had no decode worker to ask)."""
@@ -622,6 +648,8 @@ class PDWorker:
         if held is None:
             await self.engine.release(rid, kv)
         elif isinstance(held, list) and all(isinstance(r, str) for r in held):
+            for r in held:  # named as the engine named them: the leg's id and 8 characters
+                self.handing.pop((i, r.rpartition("-")[0]), None)
             await self.engine.release_held(held)
         else:
             raise ValueError(f"{protocol.RELEASE_HELD} must be a list of request ids")
@@ -650,7 +678,7 @@ class PDWorker:
             params = decode_params(msg.sampling_params)
             params = _params_for_phase(params, msg)
             if msg.phase == Phase.RELEASE:
-                await self._release(rid, msg.kv_transfer_params or {})
+                await self._release(i, rid, msg.kv_transfer_params or {})
                 return
             finished, first = False, msg.phase == Phase.DECODE
             last = 0.0  # when this leg's previous output came out (0: none yet)
@@ -660,8 +688,10 @@ class PDWorker:
                     out.timings, first = handoff_times(received, ro), False
                 self._reply(i, out)
                 finished = ro.finished
-                if finished:  # its controller has the prefill's blocks to release, if need be
-                    self.prefilling.discard((i, rid))
+                if finished and (i, rid) in self.prefilling:  # its controller has the
+                    self.prefilling.discard((i, rid))  # prefill's blocks to release, if need be
+                    if out.kv_transfer_params:
+                        self._hand((i, rid))
                 now = time.monotonic()
                 if last:  # a decode step of this stream
                     self._steps.add(now - last, len(self.tasks))
