@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 from pdserve.worker.stop_signals import block_in_engine_process
@@ -26,6 +27,27 @@ commands:
 
 `pdserve COMMAND --help` describes each command's options.
 """
+
+# `pdserve serve` names itself to its children here: each stops, as serve would stop it, once
+# serve is gone (kill -9 of serve, or of its terminal's process group): nobody else would.
+SERVE_PID_ENV = "PDSERVE_SERVE_PID"
+
+
+def follow_serve(sig: int) -> None:
+    """Send this process `sig` once the `pdserve serve` that started it has exited."""
+    pid = os.environ.pop(SERVE_PID_ENV, "")  # not for this process's own children
+    if not pid.isdigit():
+        return
+    from pdserve.procfs import on_parent_exit
+
+    def stop() -> None:
+        logging.getLogger("pdserve").warning(
+            "pdserve serve (pid %s) is gone: stopping as it would have (%s)", pid,
+            signal.Signals(sig).name)
+        os.kill(os.getpid(), sig)
+
+    if not on_parent_exit(int(pid), stop, "pdserve-follow-serve"):
+        stop()  # gone already
 
 
 def _serve_parser() -> argparse.ArgumentParser:
@@ -91,11 +113,14 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "controller":
         from pdserve.controller.server import main as controller_main
 
+        follow_serve(signal.SIGTERM)  # refuses new requests, finishes its streams
         controller_main(rest)
         return 0
     if cmd == "worker":
+        from pdserve.worker.main import DRAIN_SIGNAL
         from pdserve.worker.main import main as worker_main
 
+        follow_serve(DRAIN_SIGNAL)  # finishes its streams, then exits with its engine
         return worker_main(rest)
     if cmd == "make-model":
         p = argparse.ArgumentParser(prog="pdserve make-model")

@@ -495,6 +495,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from pdserve.cli import follow_serve
+    from pdserve.worker.main import DRAIN_SIGNAL
+
+    follow_serve(DRAIN_SIGNAL)  # as a real worker under `pdserve serve`
     return asyncio.run(_run_worker(args))
 
 

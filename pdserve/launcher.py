@@ -6,10 +6,12 @@ this terminal) -> one line per child as it comes up -> `pdserve ready: URL` and 
 try. A child that exits during start-up ends serve with the end of its log.
 
 Once the pool is ready, a worker that exits is restarted with a backoff and the controller
-exiting ends serve (pdserve/supervisor.py). Ctrl-C / SIGTERM stops the controller first (it
-refuses new requests and lets the streams in flight finish), then drains the workers and stops
-everything (a worker waiting for its restart is not started again; a second Ctrl-C stops
-everything at once) and removes the temporary files this command created; the logs stay.
+exiting ends serve (pdserve/supervisor.py). Ctrl-C / SIGTERM / SIGHUP stops the controller
+first (it refuses new requests and lets the streams in flight finish), then drains the workers
+and stops everything (a worker waiting for its restart is not started again; a second Ctrl-C
+stops everything at once) and removes the temporary files this command created; the logs stay.
+Serve gone without that (kill -9), each child stops itself as serve would have stopped it
+(cli.py's SERVE_PID_ENV).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pathlib import Path
 from typing import TextIO
 
 from pdserve import preflight
+from pdserve.cli import SERVE_PID_ENV
 from pdserve.leftovers import Leftovers
 from pdserve.models import BUILTIN_MODEL_NAME, cache_dir, default_model_dir, resolve_model
 from pdserve.supervisor import Child, ChildExited, Supervisor, supervise
@@ -148,7 +151,10 @@ class StartProgress:
         self.done: set[str] = set()
 
     def say(self, text: str) -> None:
-        print(f"pdserve: {text}", file=self.out, flush=True)
+        try:
+            print(f"pdserve: {text}", file=self.out, flush=True)
+        except OSError:  # the terminal hung up: serve goes on stopping (or serving) without it
+            pass
 
     def elapsed(self) -> str:
         return f"{self.clock() - self.t0:.0f} s"
@@ -228,6 +234,7 @@ def serve(args) -> int:
         keygen(keys)
     env = dict(os.environ)
     env.setdefault("VLLM_RPC_BASE_PATH", tmp)
+    env[SERVE_PID_ENV] = str(os.getpid())
 
     def spawn(name: str, cmd: list[str]) -> Child:
         worker = name != "controller"
@@ -252,7 +259,7 @@ def serve(args) -> int:
             for c in sup.children:
                 c.signal_group(signal.SIGKILL)
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    old = {s: signal.signal(s, on_signal) for s in stop_signals()}
     base = f"http://{args.host}:{args.port}"
     progress = StartProgress(sys.stdout)
     if logs is not None:
@@ -300,6 +307,16 @@ def serve(args) -> int:
             signal.signal(s, h)
         if signals:
             progress.say(f"stopped in {time.monotonic() - t0:.0f} s")
+
+
+def stop_signals() -> list[int]:
+    """What stops `pdserve serve`: Ctrl-C, SIGTERM, and its terminal hanging up (SIGHUP, whose
+    default would end serve alone and leave its children running), unless it runs under nohup
+    (SIGHUP ignored)."""
+    sigs: list[int] = [signal.SIGINT, signal.SIGTERM]
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        sigs.append(signal.SIGHUP)
+    return sigs
 
 
 def try_it(base: str, model: str) -> str:

@@ -6,7 +6,10 @@ process uses any more."""
 from __future__ import annotations
 
 import os
+import select
 import stat
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 PROC, SHM = Path("/proc"), Path("/dev/shm")
@@ -106,3 +109,23 @@ def started(pid: int, proc: Path = PROC) -> int | None:
         return None
     rest = text[text.rindex(")") + 2:].split()  # rest[0] is field 3 (state), starttime is 22
     return None if rest[0] in ("Z", "X") else int(rest[19])
+
+
+def on_parent_exit(pid: int, then: Callable[[], None], name: str) -> bool:
+    """Call `then` in a thread of its own (named `name`) once process `pid`, this process's
+    parent, has exited. False, with nothing watched, when `pid` is not this process's parent
+    any more: it exited already (its pid may be another process's by now)."""
+    try:
+        exited = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return False
+    if os.getppid() != pid:  # it exited before the fd was opened
+        os.close(exited)
+        return False
+
+    def wait() -> None:
+        select.select([exited], [], [])  # readable once the process has exited
+        then()
+
+    threading.Thread(target=wait, name=name, daemon=True).start()
+    return True

@@ -5,6 +5,7 @@ starts: a small driver runs the real command with `launcher.worker_command` swap
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -20,7 +21,7 @@ import pytest
 from procs import Proc, children, free_port, thread_cpus, wait_for
 
 from pdserve import preflight
-from pdserve.procfs import SHM
+from pdserve.procfs import SHM, alive, tree
 from pdserve.launcher import RUNS_KEPT, StartProgress, assign_cores, run_folder, try_it
 from pdserve.supervisor import Child
 from pdserve.worker.engine import parse_cores
@@ -202,27 +203,37 @@ def ctrl_c(p: Proc) -> None:
     p.signal(signal.SIGINT)  # serve's process group, as a terminal sends it
 
 
+def hangup(p: Proc) -> None:
+    p.signal(signal.SIGHUP)  # the terminal closed (its children have sessions of their own)
+
+
 def systemd_stop(p: Proc) -> None:
     """systemd's default stop (KillMode=control-group): SIGTERM to every process at once."""
-    from pdserve.procfs import tree
-
     for pid in tree(p.pid):
         os.kill(pid, signal.SIGTERM)
 
 
-@pytest.mark.parametrize("stop", [ctrl_c, systemd_stop], ids=["ctrl-c", "systemd"])
+def kill_9(p: Proc) -> None:
+    os.kill(p.pid, signal.SIGKILL)  # serve alone: its children stop themselves
+
+
+@pytest.mark.parametrize("stop, code", [(ctrl_c, 0), (hangup, 0), (systemd_stop, 0),
+                                        (kill_9, -signal.SIGKILL)],
+                         ids=["ctrl-c", "hangup", "systemd", "kill-9"])
 def test_a_stop_refuses_new_requests_and_finishes_one_between_its_prefill_and_decode(
-        stop, tmp_path) -> None:
+        stop, code, tmp_path) -> None:
     """The controller refuses new requests (it stops listening; a request that got in
-    meanwhile gets a 503), and a request whose prefill was running when the stop came is
-    decoded to its end.
+    meanwhile gets a 503), a request whose prefill was running when the stop came is decoded
+    to its end, and then every process serve started is gone.
 
     Ctrl-C: serve stops the front first, while the workers still take the legs of those in
     flight. (Draining the workers first had the decode worker refuse its decode leg, and the
     stream stopped after its first token.) systemd's stop drains every worker at the same
     moment: the prefill worker stays up for its prefill's KV and, with no decode worker left
     to take it, goes on from it itself. (Before, the request ended with finish reason "abort"
-    after its first token.)"""
+    after its first token.) A hangup (SIGHUP) used to end serve at once and leave the rest
+    running, as kill -9 of serve still ends serve: its children then stop as if serve had
+    stopped them all at once, as systemd's stop does."""
     port, wport = free_port(), free_port()
     driver = FAKE_WORKERS.replace(
         '"--model", model]', '"--model", model, "--decode-delay", "0.02", '
@@ -230,6 +241,7 @@ def test_a_stop_refuses_new_requests_and_finishes_one_between_its_prefill_and_de
     p = Proc("serve", serve("--port", str(port), "--worker-port", str(wport), "--log-dir",
                             str(tmp_path / "run"), driver=driver), tmp_path)
     url = f"http://127.0.0.1:{port}/v1/completions"
+    started: list[int] = []
     try:
         wait_for(lambda: "pdserve ready" in p.log(), 300, "pdserve serve", [p])
         t, chunks = stream_in_thread(url, {
@@ -237,6 +249,8 @@ def test_a_stop_refuses_new_requests_and_finishes_one_between_its_prefill_and_de
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
         time.sleep(1.0)  # 1,000 prompt tokens at 3 ms each: the prefill is running
         assert not chunks
+        started += tree(p.pid)[1:]
+        assert len(started) == 3, started  # the controller and two workers
         stop(p)
         time.sleep(0.5)
         try:  # the controller stops listening as it stops (server.stop_listening)
@@ -245,12 +259,16 @@ def test_a_stop_refuses_new_requests_and_finishes_one_between_its_prefill_and_de
             status = type(e.reason).__name__
         t.join(60)
         p.proc.wait(60)
+        wait_for(lambda: not any(alive(pid) for pid in started), 60, "serve's children to exit")
     finally:
         p.stop()
+        for pid in started:  # what a failed stop left (each child leads its process group)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
     assert status in (503, "ConnectionRefusedError"), status
     finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
     assert finish[-1] == "length" and chunks[-1]["usage"]["completion_tokens"] == 40, chunks[-3:]
-    assert p.proc.returncode == 0, p.log()
+    assert p.proc.returncode == code, p.log()
 
 
 def serve_to_the_end(logs, driver: str) -> subprocess.CompletedProcess:

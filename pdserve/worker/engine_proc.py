@@ -28,13 +28,13 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
-import select
 import signal
-import threading
 import time
 from pathlib import Path
 
 from vllm.logger import init_logger
+
+from pdserve.procfs import on_parent_exit
 
 from pdserve.worker.stop_signals import (ENGINE_CORE_ENV, ENGINE_OWN_GROUP_ENV,
                                          run_handler, run_handler_in_main_thread,
@@ -67,15 +67,7 @@ SHM_PREFIX = "/dev/shm/psm_"  # multiprocessing.shared_memory's names, vLLM's sh
 def follow(pid: int, grace: float = GRACE_S) -> None:
     """Send this process one SIGTERM when process `pid`, its parent, exits, and SIGKILL (its
     process group, if it leads one) if it is still there `grace` seconds later."""
-    try:
-        exited = os.pidfd_open(pid)
-    except ProcessLookupError:
-        os._exit(1)  # the parent died already: follow it
-    if os.getppid() != pid:  # died before the fd was opened (its pid may be another's now)
-        os._exit(1)
-
-    def wait() -> None:
-        select.select([exited], [], [])  # readable once the process has exited
+    def stop() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(grace)
         me = os.getpid()
@@ -83,7 +75,8 @@ def follow(pid: int, grace: float = GRACE_S) -> None:
                        "of SIGTERM: killing it", me, pid, grace)
         kill(me)
 
-    threading.Thread(target=wait, name="pdserve-follow-worker", daemon=True).start()
+    if not on_parent_exit(pid, stop, "pdserve-follow-worker"):
+        os._exit(1)  # the worker died already: follow it
 
 
 def kill(pid: int) -> None:
