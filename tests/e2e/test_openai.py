@@ -325,3 +325,98 @@ def test_anthropic_messages_api_equals_plain_engine(pd_client, ref_client, model
     ours = text(pd_client)
     assert ours
     assert ours == text(ref_client)
+
+
+# More of what clients send: logprobs, streamed (with their top alternatives), tokens named by
+# id, a prompt cut to its last tokens, a stop string kept in the output, usage in every chunk.
+# Each answer must be one engine's: logprobs from the prefill engine's token and the decode
+# engine's alike, the usage counting both.
+def logprob_rows(choice_logprobs) -> list[tuple]:
+    """A completions choice's logprobs: (token, its logprob, its top alternatives' tokens)."""
+    lp = choice_logprobs
+    return [(t, x, tuple(sorted((top or {}).keys())))
+            for t, x, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs)]
+
+
+def stream_rows(client, model, prompt, **kw) -> tuple[str, list[tuple], list]:
+    text, rows, usages = "", [], []
+    for chunk in client.completions.create(model=model, prompt=prompt, stream=True, **kw):
+        for c in chunk.choices:
+            text += c.text
+            if c.logprobs is not None:
+                rows += logprob_rows(c.logprobs)
+        if chunk.usage is not None:
+            usages.append((chunk.usage.prompt_tokens, chunk.usage.completion_tokens))
+    return text, rows, usages
+
+
+def same_rows(ours: list[tuple], ref: list[tuple]) -> None:
+    assert [(t, top) for t, _, top in ours] == [(t, top) for t, _, top in ref]
+    assert [x for _, x, _ in ours] == pytest.approx([x for _, x, _ in ref], abs=1e-3)
+
+
+@pytest.mark.parametrize("as_ids", [False, True], ids=["tokens", "token-ids"])
+def test_streamed_logprobs_with_alternatives_equal_plain_engine(pd_client, ref_client, model_dir,
+                                                                as_ids):
+    prompt = prompt_ids(200, seed=9300 + as_ids)
+    kw = dict(max_tokens=10, temperature=0, logprobs=3,
+              extra_body={"return_tokens_as_token_ids": as_ids})
+    ours, ref = (stream_rows(c, model_dir, prompt, **kw) for c in (pd_client, ref_client))
+    assert ours[0] == ref[0]
+    same_rows(ours[1], ref[1])
+    assert len(ours[1]) == 10 and all(len(top) == 3 or len(top) == 4 for _, _, top in ours[1])
+    if as_ids:
+        assert all(t.startswith("token_id:") for t, _, _ in ours[1])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_chat_logprobs_with_top_alternatives_equal_plain_engine(pd_client, ref_client, model_dir,
+                                                                stream):
+    messages = [{"role": "user", "content": "Write a short line about rivers. " * 12}]
+    kw = dict(model=model_dir, messages=messages, max_tokens=8, temperature=0, logprobs=True,
+              top_logprobs=3)
+
+    def rows(client) -> list[tuple]:
+        if stream:
+            content = [x for chunk in client.chat.completions.create(stream=True, **kw)
+                       for c in chunk.choices if c.logprobs and c.logprobs.content
+                       for x in c.logprobs.content]
+        else:
+            content = client.chat.completions.create(**kw).choices[0].logprobs.content
+        return [(x.token, x.logprob, tuple(sorted(t.token for t in x.top_logprobs)))
+                for x in content]
+
+    ours, ref = rows(pd_client), rows(ref_client)
+    assert len(ours) == 8
+    same_rows(ours, ref)
+
+
+def test_a_prompt_cut_to_its_last_tokens_equals_plain_engine(pd_client, ref_client, model_dir):
+    prompt = prompt_ids(400, seed=9400)
+    kw = dict(max_tokens=8, temperature=0, extra_body={"truncate_prompt_tokens": 150})
+    ours, r = complete(pd_client, model_dir, prompt, **kw)
+    ref, _ = complete(ref_client, model_dir, prompt, **kw)
+    assert ours == ref and r.usage.prompt_tokens == 150
+
+
+def test_a_stop_string_kept_in_the_output_equals_plain_engine(pd_client, ref_client, model_dir):
+    prompt = prompt_ids(250, seed=9500)
+    full, _ = complete(ref_client, model_dir, prompt, max_tokens=20, temperature=0)
+    stop = full[0][0][len(full[0][0]) // 2:][:3]
+    kw = dict(max_tokens=20, temperature=0, stop=[stop],
+              extra_body={"include_stop_str_in_output": True})
+    for run in (lambda c: complete(c, model_dir, prompt, **kw)[0][0],
+                lambda c: stream_complete(c, model_dir, prompt, **kw)):
+        ours, ref = run(pd_client), run(ref_client)
+        assert ours == ref and ours[0].endswith(stop) and ours[2] == "stop"
+
+
+def test_usage_in_every_chunk_counts_every_token(pd_client, ref_client, model_dir):
+    prompt = prompt_ids(300, seed=9600)
+    kw = dict(max_tokens=16, temperature=0,
+              stream_options={"include_usage": True, "continuous_usage_stats": True})
+    ours, ref = (stream_rows(c, model_dir, prompt, **kw) for c in (pd_client, ref_client))
+    assert ours[0] == ref[0]
+    assert ours[2][-1] == ref[2][-1] == (300, 16)
+    counts = [n for _, n in ours[2]]
+    assert counts == sorted(counts) and all(p == 300 for p, _ in ours[2])
