@@ -33,6 +33,14 @@ commands:
 SERVE_PID_ENV = "PDSERVE_SERVE_PID"
 
 
+def stop_on_hangup() -> None:
+    """A terminal that closes sends SIGHUP, whose default ends a process at once (a controller's
+    streams cut, serve's children left running): it is taken as SIGTERM, each command's stop
+    that finishes what is in flight, unless SIGHUP is ignored (nohup)."""
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
+
+
 def follow_serve(sig: int) -> None:
     """Send this process `sig` once the `pdserve serve` that started it has exited."""
     pid = os.environ.pop(SERVE_PID_ENV, "")  # not for this process's own children
@@ -106,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     root.addHandler(handler)
     root.setLevel(os.environ.get("PDSERVE_LOG_LEVEL", "INFO"))
     root.propagate = False
+    if cmd in ("serve", "controller", "worker"):
+        stop_on_hangup()
     if cmd == "serve":
         from pdserve.launcher import serve
 

@@ -6,10 +6,11 @@ this terminal) -> one line per child as it comes up -> `pdserve ready: URL` and 
 try. A child that exits during start-up ends serve with the end of its log.
 
 Once the pool is ready, a worker that exits is restarted with a backoff and the controller
-exiting ends serve (pdserve/supervisor.py). Ctrl-C / SIGTERM / SIGHUP stops the controller
-first (it refuses new requests and lets the streams in flight finish), then drains the workers
-and stops everything (a worker waiting for its restart is not started again; a second Ctrl-C
-stops everything at once) and removes the temporary files this command created; the logs stay.
+exiting ends serve (pdserve/supervisor.py). Ctrl-C / SIGTERM (and SIGHUP: cli.py) stops the
+controller first (it refuses new requests and lets the streams in flight finish), then drains
+the workers and stops everything (a worker waiting for its restart is not started again; a
+second Ctrl-C stops everything at once) and removes the temporary files this command created;
+the logs stay.
 Serve gone without that (kill -9), each child stops itself as serve would have stopped it
 (cli.py's SERVE_PID_ENV).
 """
@@ -259,7 +260,7 @@ def serve(args) -> int:
             for c in sup.children:
                 c.signal_group(signal.SIGKILL)
 
-    old = {s: signal.signal(s, on_signal) for s in stop_signals()}
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     base = f"http://{args.host}:{args.port}"
     progress = StartProgress(sys.stdout)
     if logs is not None:
@@ -307,16 +308,6 @@ def serve(args) -> int:
             signal.signal(s, h)
         if signals:
             progress.say(f"stopped in {time.monotonic() - t0:.0f} s")
-
-
-def stop_signals() -> list[int]:
-    """What stops `pdserve serve`: Ctrl-C, SIGTERM, and its terminal hanging up (SIGHUP, whose
-    default would end serve alone and leave its children running), unless it runs under nohup
-    (SIGHUP ignored)."""
-    sigs: list[int] = [signal.SIGINT, signal.SIGTERM]
-    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
-        sigs.append(signal.SIGHUP)
-    return sigs
 
 
 def try_it(base: str, model: str) -> str:

@@ -14,7 +14,7 @@ import pytest
 
 from procs import gone
 
-from pdserve.launcher import stop_signals, wait_ready
+from pdserve.launcher import wait_ready
 from pdserve.supervisor import (Backoff, Child, ChildExited, Supervisor, stop_children,
                                 supervise)
 from pdserve.worker.main import DRAIN_SIGNAL
@@ -385,14 +385,3 @@ def test_serve_is_ready_once_every_api_server_has_seen_every_worker() -> None:
         one.server.shutdown()
     finally:
         views.server.shutdown()
-
-
-def test_a_terminal_hanging_up_stops_serve_unless_it_runs_under_nohup() -> None:
-    before = signal.getsignal(signal.SIGHUP)
-    try:
-        signal.signal(signal.SIGHUP, signal.SIG_DFL)
-        assert signal.SIGHUP in stop_signals()
-        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # what nohup leaves it
-        assert stop_signals() == [signal.SIGINT, signal.SIGTERM]
-    finally:
-        signal.signal(signal.SIGHUP, before)

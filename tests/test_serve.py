@@ -382,3 +382,27 @@ def test_a_controller_kept_to_cores_it_may_not_use_says_which_it_may() -> None:
     assert r.returncode == 2, r
     assert f"--cores {beyond}: none of CPUs {beyond} is one this process may use (it may use " \
            f"{mine})" in r.stderr, r.stderr
+
+
+HANGUP = """
+import os, signal, sys, time
+from pdserve.cli import stop_on_hangup
+if sys.argv[1] == "nohup":
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+signal.signal(signal.SIGTERM, lambda *_: print("SIGTERM", flush=True))
+stop_on_hangup()
+os.kill(os.getpid(), signal.SIGHUP)
+time.sleep(0.5)
+print("still here", flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["terminal", "nohup"])
+def test_a_hangup_stops_a_command_as_sigterm_does_unless_under_nohup(how) -> None:
+    """serve, the controller and a worker take SIGHUP (their terminal closed) as SIGTERM, their
+    stop that finishes what is in flight; its default would end them at once."""
+    out = subprocess.run([sys.executable, "-c", HANGUP, how], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == (["SIGTERM", "still", "here"] if how == "terminal"
+                                  else ["still", "here"])
