@@ -18,6 +18,7 @@ Serve gone without that (kill -9), each child stops itself as serve would have s
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shlex
@@ -34,9 +35,11 @@ from typing import TextIO
 
 from pdserve import preflight
 from pdserve.cli import SERVE_PID_ENV
-from pdserve.leftovers import Leftovers
+from pdserve.leftovers import Leftovers, stale_temp
 from pdserve.models import BUILTIN_MODEL_NAME, cache_dir, default_model_dir, resolve_model
 from pdserve.supervisor import Child, ChildExited, Supervisor, supervise
+
+logger = logging.getLogger("pdserve.serve")
 
 RUNS_KEPT = 20  # run folders kept under the cache (the newest)
 
@@ -228,7 +231,10 @@ def serve(args) -> int:
     model = resolve_model(args.model)
     name = args.served_model_name or (None if args.model else BUILTIN_MODEL_NAME)
     logs = None if args.verbose else run_folder(args.log_dir)
-    tmp = tempfile.mkdtemp(prefix="pdserve-serve-")
+    if gone := stale_temp():
+        logger.info("removed what processes killed earlier left in %s: %s",
+                    tempfile.gettempdir(), ", ".join(sorted(gone)))
+    tmp = tempfile.mkdtemp(prefix=f"pdserve-serve-{os.getpid()}-")
     keys = args.keys
     if keys is None and not args.no_keys:
         keys = os.path.join(tmp, "keys")

@@ -6,6 +6,11 @@ SIGKILL (a second Ctrl-C to `pdserve serve`, a stop that ran out of time, kill -
 group and of its engine core's), the file stays until the machine restarts. So the supervisor
 notes the files each child's processes use while they run, and once the child has exited and
 none of those processes is left, removes those of its files that no process uses any more.
+
+The temporary folder gets its own: a `pdserve serve` killed with SIGKILL leaves its folder
+(keys, vLLM's sockets), and a worker killed with its engine core the engine's KV-event sockets;
+each is named by the pid of the process that made it, and removed by the next `pdserve serve`
+once that process is gone (`stale_temp`).
 """
 
 from __future__ import annotations
@@ -13,7 +18,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
+import shutil
 import signal
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -132,3 +140,28 @@ class Leftovers:
                 continue
             out.append(name)
         return out
+
+
+# In the temporary folder, by the pid of their maker: serve's folder (launcher.py), a worker's
+# engine's KV-event sockets (worker/kv_events.py).
+_TEMP = re.compile(r"pdserve-serve-(\d+)-.*|pdserve-kv-(\d+)(-replay)?")
+
+
+def stale_temp(folder: Path | None = None, proc: Path = PROC) -> list[str]:
+    """Remove this user's pdserve files in the temporary folder whose maker is gone; their
+    names."""
+    folder = folder or Path(tempfile.gettempdir())
+    removed = []
+    for path in folder.iterdir():
+        m = _TEMP.fullmatch(path.name)
+        if m is None or started(int(m.group(1) or m.group(2)), proc) is not None:
+            continue
+        with contextlib.suppress(OSError):
+            if path.lstat().st_uid != os.getuid():
+                continue
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+            removed.append(path.name)
+    return removed

@@ -16,7 +16,7 @@ import pytest
 from procs import gone
 
 from pdserve import procfs
-from pdserve.leftovers import Leftovers
+from pdserve.leftovers import Leftovers, stale_temp
 from pdserve.procfs import SHM
 from pdserve.supervisor import Backoff, Child, Supervisor
 
@@ -304,3 +304,21 @@ def test_stopping_serve_stops_an_engine_that_outlived_its_killed_worker(spawn, t
         with contextlib.suppress(ProcessLookupError):
             os.kill(engine_pid, signal.SIGKILL)
         (SHM / f).unlink(missing_ok=True)
+
+
+def test_what_killed_processes_left_in_the_temporary_folder_goes_once_they_are_gone(tmp_path):
+    """A serve killed with SIGKILL leaves its folder, a worker's engine killed so its KV-event
+    sockets: named by their maker's pid, they go once it is gone, and nothing else does."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    me = os.getpid()
+    for name in (f"pdserve-serve-{dead.pid}-abc", f"pdserve-serve-{me}-def"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "keys").write_text("k")
+    for name in (f"pdserve-kv-{dead.pid}", f"pdserve-kv-{dead.pid}-replay", f"pdserve-kv-{me}",
+                 "pdserve-kv-x", f"other-{dead.pid}"):
+        (tmp_path / name).write_text("")
+    assert sorted(stale_temp(tmp_path)) == sorted([
+        f"pdserve-serve-{dead.pid}-abc", f"pdserve-kv-{dead.pid}", f"pdserve-kv-{dead.pid}-replay"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([
+        f"pdserve-serve-{me}-def", f"pdserve-kv-{me}", "pdserve-kv-x", f"other-{dead.pid}"])
