@@ -198,16 +198,15 @@ class Pool:
                 pass  # the worker is gone: its engine went with it
 
     def handed(self, prefill: Leg) -> None:
-        """A decode leg's first output is in, so the KV of `prefill` was read. A draining
-        prefill worker stays up until then (at most worker.HANDOFF_WAIT_S): it is told, as an
-        Abort of the finished leg (which frees nothing). A worker that is not draining needs
-        no word."""
-        if prefill.worker.state == WorkerState.DRAINING:
-            try:
-                transport.send_nowait(self.sock, protocol.Abort([prefill.id]),
-                                      to=prefill.worker.identity)
-            except zmq.ZMQError:
-                pass  # the worker is gone: it waits for nothing
+        """A decode leg's first output is in, so the KV of `prefill` was read: its worker, which
+        a drain keeps up until then (at most worker.HANDOFF_WAIT_S), is told, as an Abort of
+        the finished leg (which frees nothing). Always, not only to a worker known to be
+        draining: one that began meanwhile would wait for nothing."""
+        try:
+            transport.send_nowait(self.sock, protocol.Abort([prefill.id]),
+                                  to=prefill.worker.identity)
+        except zmq.ZMQError:
+            pass  # the worker is gone: it waits for nothing
 
     def release_kv(self, kv: dict, leg_id: str, exclude: str = "") -> bool:
         """Have a decode worker (not `exclude`) tell a prefill engine to free blocks no decode

@@ -59,7 +59,7 @@ MISSED_ACKS_BEFORE_LOST = 3
 MAX_BATCH = 256  # outputs in one Outputs message
 # How long a draining worker stays up after a prefill it finished, for the KV to be read by the
 # decode worker (or, with none left, for the controller to go on from it here): the engine's
-# blocks go with it. A controller that has the first decode output says so sooner (Abort).
+# blocks go with it. The controller says when the decode's first output is in (an Abort).
 HANDOFF_WAIT_S = 5.0
 # Seconds before the other controllers hear of decode slots a controller's streams freed: time
 # for it to fill them from its own line (a few ms from the stream's end, more under load).
@@ -246,7 +246,13 @@ class PDWorker:
         logger.info("worker %s draining: %d requests in flight", self.worker_id, len(self.tasks))
         self._tell_all(protocol.Drain(self.worker_id))
         deadline = time.monotonic() + self.drain_timeout
+        said = False
         while (self.tasks or self._handing()) and time.monotonic() < deadline:
+            if not self.tasks and not said:
+                said = True
+                logger.info("worker %s: its requests are done; waiting (%.0f s at most) for the "
+                            "KV of %d prefills to be read", self.worker_id, HANDOFF_WAIT_S,
+                            len(self.handing))
             await asyncio.sleep(0.05)
         if self.tasks:
             logger.warning("drain timeout: aborting %d requests", len(self.tasks))

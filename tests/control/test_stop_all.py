@@ -92,3 +92,15 @@ async def test_a_decode_leg_refused_as_its_worker_starts_draining_goes_to_anothe
     other, = {d1, d2} - set(refusing)
     assert refusing[0].engine.kv_reads == 0 and other.engine.kv_reads == 1
     assert len(p.engine.served) == 1
+
+
+async def test_a_prefill_worker_whose_kv_was_read_before_it_drains_does_not_wait(
+        make_cluster, monkeypatch):
+    monkeypatch.setattr(worker_module, "HANDOFF_WAIT_S", 60.0)
+    c = await make_cluster(missed=5)
+    p, = await c.add("prefill")
+    d, = await c.add("decode")
+    await c.run(PROMPT, greedy(4))
+    assert d.engine.kv_reads == 1
+    await wait_until(lambda: not p.handing, what="the prefill worker told its KV was read")
+    await asyncio.wait_for(drained(p), 10)
