@@ -275,7 +275,7 @@ class FakeEngine:
         if request_id in self._active:
             raise ValueError(f"request {request_id} is already running")
         kv_in = (p.extra_args or {}).get("kv_transfer_params") or {}
-        if kv_in.get("do_remote_prefill"):
+        if kv_in.get("do_remote_prefill") and self.kv_read_delay:
             await asyncio.sleep(self.kv_read_delay)
         await self._scheduled()
         try:

@@ -17,6 +17,7 @@ Serve gone without that (kill -9), each child stops itself as serve would have s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -155,10 +156,9 @@ class StartProgress:
         self.done: set[str] = set()
 
     def say(self, text: str) -> None:
-        try:
+        # A terminal that hung up: serve goes on stopping (or serving) without it.
+        with contextlib.suppress(OSError):
             print(f"pdserve: {text}", file=self.out, flush=True)
-        except OSError:  # the terminal hung up: serve goes on stopping (or serving) without it
-            pass
 
     def elapsed(self) -> str:
         return f"{self.clock() - self.t0:.0f} s"

@@ -274,6 +274,12 @@ KV_READ_STATS = "pdserve_kv_read"
 RELEASE_HELD = "pdserve_release_held"
 
 
+def leg_of(engine_request_id: str) -> str:
+    """The leg an engine's request id names: vLLM's InputProcessor.assign_request_id makes it
+    the leg's id, a dash and 8 characters of its own."""
+    return engine_request_id.rpartition("-")[0]
+
+
 class Outputs(_Msg):
     """The Outputs a worker has for one controller at one moment, in one message: an engine
     step yields a token for each of its streams, and one message per step instead of one per

@@ -415,10 +415,14 @@ class Sequence:
         """The pool has no worker for side `missing`, not even one late with its heartbeat, and
         one of the other side is ready to serve this request whole (not a seeded one: module
         docstring)."""
-        registry = self.pool.registry
         other = Role.DECODE if missing == Role.PREFILL else Role.PREFILL
+        return self._lacks(missing) and bool(self.pool.registry.ready(other))
+
+    def _lacks(self, missing: Role) -> bool:
+        """The fallback may act for this request (not a seeded one: module docstring), and the
+        pool has no worker for side `missing`, not even one late with its heartbeat."""
         return (self.s.fallback and not own_draw(self.params)
-                and not registry.ready(missing, suspect=True) and bool(registry.ready(other)))
+                and not self.pool.registry.ready(missing, suspect=True))
 
     async def _local(self, a: _Plan, d: Worker, reason: str) -> AsyncIterator[None]:
         self.state = State.LOCAL
@@ -563,10 +567,7 @@ class Sequence:
         prefill worker `p`, which holds the context's KV, is still there, draining or not: it
         serves the rest of the request (not a seeded one: module docstring). A stop of every
         process at once (systemd's) leaves a request between its prefill and decode so."""
-        registry = self.pool.registry
-        return (self.s.fallback and not own_draw(self.params)
-                and not registry.ready(Role.DECODE, suspect=True)
-                and registry.workers.get(p.id) is p
+        return (self._lacks(Role.DECODE) and self.pool.registry.workers.get(p.id) is p
                 and p.state in (WorkerState.READY, WorkerState.SUSPECT, WorkerState.DRAINING))
 
     async def _go_on(self, a: _Plan, prefill: Leg, forced: list[int], ctx: list[int],

@@ -40,7 +40,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from pdserve.net import bind_error
-from pdserve.protocol import KV_READ_STATS, RELEASE_HELD
+from pdserve.protocol import KV_READ_STATS, RELEASE_HELD, leg_of
 
 # Under vLLM's logger: this runs in the engine's processes, where only vLLM's handler exists
 # (a "pdserve.*" logger there has none, and its INFO lines were lost).
@@ -299,7 +299,7 @@ class PDCpuNixlConnector(NixlPullConnector):
         running is not held: its abort frees it."""
         worker = self.connector_worker
         for req_id in [r for r in worker._reqs_to_send
-                       if r in legs or r.rpartition("-")[0] in legs]:
+                       if r in legs or leg_of(r) in legs]:
             del worker._reqs_to_send[req_id]
             worker._reqs_to_process.discard(req_id)
             self._released.add(req_id)

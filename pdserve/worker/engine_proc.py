@@ -35,7 +35,6 @@ from pathlib import Path
 from vllm.logger import init_logger
 
 from pdserve.procfs import on_parent_exit
-
 from pdserve.worker.stop_signals import (ENGINE_CORE_ENV, ENGINE_OWN_GROUP_ENV,
                                          run_handler, run_handler_in_main_thread,
                                          stops_only_from)

@@ -654,8 +654,8 @@ class PDWorker:
         if held is None:
             await self.engine.release(rid, kv)
         elif isinstance(held, list) and all(isinstance(r, str) for r in held):
-            for r in held:  # named as the engine named them: the leg's id and 8 characters
-                self.handing.pop((i, r.rpartition("-")[0]), None)
+            for r in held:  # named as the engine named them
+                self.handing.pop((i, protocol.leg_of(r)), None)
             await self.engine.release_held(held)
         else:
             raise ValueError(f"{protocol.RELEASE_HELD} must be a list of request ids")
