@@ -196,6 +196,10 @@ class FakeEngine:
         # How long a decode request waits before its KV is read (a busy engine schedules it
         # steps later): the prefill engine must still hold the blocks then.
         self.kv_read_delay = kv_read_delay
+        # Cleared while the engine is frozen (its process stopped, as by SIGSTOP): nothing
+        # steps, and a read of its KV waits (its connection stays up) until it is thawed.
+        self.thawed = asyncio.Event()
+        self.thawed.set()
         self.dead = False
         self._held: dict[str, _Hold] = {}
         self._active: dict[str, int] = {}  # request id -> blocks in use
@@ -277,6 +281,10 @@ class FakeEngine:
         kv_in = (p.extra_args or {}).get("kv_transfer_params") or {}
         if kv_in.get("do_remote_prefill") and self.kv_read_delay:
             await asyncio.sleep(self.kv_read_delay)
+        if kv_in.get("do_remote_prefill") and (
+                remote := ENGINES.get(kv_in.get("remote_engine_id", ""))) is not None:
+            await remote.thawed.wait()
+        await self.thawed.wait()
         await self._scheduled()
         try:
             remote_decode = bool(kv_in.get("do_remote_decode"))
@@ -296,6 +304,7 @@ class FakeEngine:
             sampler = _Sampler(p, self.eos_token_id, self.vocab_size)
             context = list(prompt)
             await asyncio.sleep(self.prefill_delay_per_token * (len(prompt) - cached))
+            await self.thawed.wait()
             self._check_alive()
             self.cache.store(prompt)
             plp = _prompt_logprobs(prompt) if p.prompt_logprobs is not None else None
@@ -371,9 +380,10 @@ class FakeEngine:
         d = self.decode_delay
         if d <= 0:
             await asyncio.sleep(0)
-            return
-        loop = asyncio.get_running_loop()
-        await asyncio.sleep((math.floor(loop.time() / d) + 1) * d - loop.time())
+        else:
+            loop = asyncio.get_running_loop()
+            await asyncio.sleep((math.floor(loop.time() / d) + 1) * d - loop.time())
+        await self.thawed.wait()
 
     async def abort(self, request_ids: list[str]) -> None:
         # As vLLM: aborting a finished prefill does not free its held blocks.

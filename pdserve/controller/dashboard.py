@@ -49,7 +49,7 @@ body{font-family:system-ui,sans-serif;margin:1.5rem;color:#222}
 h1{font-size:1.3rem} h2{font-size:1.05rem;margin-top:1.5rem}
 table{border-collapse:collapse;min-width:40rem} td,th{border:1px solid #ccc;padding:.25rem .6rem;text-align:right}
 th{background:#f3f3f3} td.l,th.l{text-align:left}
-.ready{color:#176d2a}.suspect{color:#c2185b}.draining{color:#a86400}.dead{color:#b00020}
+.ready{color:#176d2a}.suspect{color:#c2185b}.stalled{color:#8e24aa}.draining{color:#a86400}.dead{color:#b00020}
 .cards span{display:inline-block;margin-right:1.2rem;padding:.4rem .7rem;background:#f3f3f3;border-radius:4px}
 .bar{display:inline-block;height:.7rem;background:#4a7bd0;vertical-align:middle}
 #err{color:#b00020}
@@ -92,7 +92,7 @@ td.reason{text-align:left;max-width:48rem;font-size:.85rem}
 <script>
 "use strict";
 const SVG="http://www.w3.org/2000/svg";
-const MARKS={joined:"#2e7d32",draining:"#ef6c00",suspect:"#c2185b",cleared:"#00897b",dead:"#b00020",left:"#757575"};
+const MARKS={joined:"#2e7d32",draining:"#ef6c00",suspect:"#c2185b",stalled:"#8e24aa",cleared:"#00897b",dead:"#b00020",left:"#757575"};
 const PALETTE=["#4a7bd0","#d0743c","#2e9d5b","#a04ac0","#c9a227","#3bb0c9","#d04a7b","#6b6b6b","#7b4a2e","#8fbf3a"];
 const FAILS={prefill_retry:"prefill retried",migration:"migrated",failed:"request failed"};
 let span=Number(new URLSearchParams(location.search).get("window"))||300;

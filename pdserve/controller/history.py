@@ -73,7 +73,7 @@ MAX_MARKS = 1000
 KEEP_S = 3600.0
 # The pool's hook names -> the page's.
 EVENTS = {"registered": "joined", "draining": "draining", "suspect": "suspect",
-          "cleared": "cleared", "dead": "dead", "unregistered": "left"}
+          "stalled": "stalled", "cleared": "cleared", "dead": "dead", "unregistered": "left"}
 
 
 @dataclass(slots=True)

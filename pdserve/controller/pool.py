@@ -4,10 +4,11 @@ request leg that the worker's Output messages are delivered to.
 A leg is one Generate sent to one worker (a prefill, a decode, or a local run). When a worker dies,
 is expired, or cannot be reached, every leg on it gets a `WorkerLost` so no waiter hangs.
 
-A silent worker is only suspect (registry.py); each check sends it a `Ping`. The ROUTER is
-"mandatory", so a send to a peer whose connection is gone raises EHOSTUNREACH at once (tried:
-right after a SIGKILL, with and without CurveZMQ), while a stalled but living process keeps its
-connection and the send goes through: a failed probe is the clear evidence that a suspect is dead.
+A silent worker is only suspect (registry.py), then stalled (its legs move to other workers);
+each check sends it a `Ping`. The ROUTER is "mandatory", so a send to a peer whose connection is
+gone raises EHOSTUNREACH at once (tried: right after a SIGKILL, with and without CurveZMQ), while
+a stalled but living process keeps its connection and the send goes through: a failed probe is
+the clear evidence that a suspect is dead.
 """
 
 from __future__ import annotations
@@ -72,18 +73,20 @@ class Leg:
     outputs: int = 0  # Output messages that carried output (not an error) so far
     prefill_tokens: int = 0  # tokens it prefills, counted in its worker's queue until it outputs
     backlog: int = 0  # Outputs on `queue` not read yet
+    reads_from: str = ""  # a decode leg: the prefill worker whose KV it reads (its first output)
 
 
 class Pool:
     def __init__(self, bind: str, *, expected: EngineInfo | None = None,
                  keys: transport.Keys | None = None, heartbeat_interval: float = 1.0,
-                 missed_heartbeats: int = 3, dead_after: float = 30.0,
+                 missed_heartbeats: int = 3, move_after: float = 10.0, dead_after: float = 30.0,
                  siblings: list[int] | None = None, kv_index: bool = True,
                  clock: Callable[[], float] = time.monotonic):
         self.id = f"controller-{uuid.uuid4().hex[:8]}"
         self.siblings = list(siblings or ())  # worker ports of the API servers beside this one
         self.registry = Registry(expected, heartbeat_interval=heartbeat_interval,
-                                 missed=missed_heartbeats, dead_after=dead_after, clock=clock)
+                                 missed=missed_heartbeats, move_after=move_after,
+                                 dead_after=dead_after, clock=clock)
         self.ctx = zmq.asyncio.Context()
         self.auth = transport.Authenticator(self.ctx, keys) if keys is not None else None
         self.sock = transport.controller_socket(self.ctx, bind, keys)
@@ -275,9 +278,9 @@ class Pool:
 
     def watch(self, fn: Callable[[str, Worker], None]) -> None:
         """Call fn(event, worker) on every membership change ("registered", "draining",
-        "suspect", "cleared", "dead", "unregistered"), as it happens; and with "others" when a
-        heartbeat says other controllers hold a different number of its requests (its slots
-        free for this one changed)."""
+        "suspect", "stalled", "cleared", "dead", "unregistered"), as it happens; and with
+        "others" when a heartbeat says other controllers hold a different number of its requests
+        (its slots free for this one changed)."""
         self._watchers.append(fn)
 
     def _event(self, event: str, worker: Worker) -> None:
@@ -285,7 +288,8 @@ class Pool:
             fn(event, worker)
 
     def lost(self, worker: Worker, why: str) -> None:
-        """The worker can serve nothing more: mark it dead and fail every leg on it."""
+        """The worker can serve nothing more: mark it dead and fail every leg on it, and the
+        reads of its KV still under way elsewhere."""
         if self.registry.mark_dead(worker.id) is not None:
             self._forget_kv(worker.id)
             logger.warning("worker %s (%s) is dead: %s", worker.id, worker.role.label, why)
@@ -293,6 +297,33 @@ class Pool:
             self.changed.set()
         for leg in [lg for lg in self.legs.values() if lg.worker.id == worker.id]:
             self._fail(leg, why)
+        self._fail_reads(worker, why)
+
+    def _stalled(self, worker: Worker, why: str) -> None:
+        """The worker is alive (its connection is up) but has said nothing for move_after: its
+        legs, and the reads of its KV still under way elsewhere, fail as a dead worker's would,
+        so that their sequences move on. Each is aborted where it ran: a stalled worker reads
+        that when it wakes (its queue on this socket holds it), and frees the leg."""
+        legs = [lg for lg in self.legs.values() if lg.worker.id == worker.id]
+        logger.warning("worker %s (%s) is stalled: not heard from for %.1f s; its %d legs move "
+                       "to other workers (it is ready again once heard from, dead after %g s)",
+                       worker.id, worker.role.label, self.registry.clock() - worker.last_seen,
+                       len(legs), self.registry.dead_after)
+        self._event("stalled", worker)
+        self.changed.set()
+        for leg in legs:
+            self.abort(leg)
+            leg.queue.put_nowait(WorkerLost(worker.id, why))
+        self._fail_reads(worker, why)
+
+    def _fail_reads(self, worker: Worker, why: str) -> None:
+        """Decode legs elsewhere still reading the KV of `worker` (no output yet) wait on a peer
+        that will not answer (a hung one holds the connection open): abort them there, and let
+        their sequences prefill again."""
+        for leg in [lg for lg in self.legs.values()
+                    if lg.reads_from == worker.id and not lg.outputs]:
+            self.abort(leg)
+            leg.queue.put_nowait(WorkerLost(worker.id, f"its KV was on {worker.id}, {why}"))
 
     # ---- receiving -------------------------------------------------------------------------
 
@@ -507,7 +538,8 @@ class Pool:
     # ---- failure detection -----------------------------------------------------------------
 
     def check_workers(self) -> None:
-        """Suspect the silent, probe them, and fail the legs of the dead (run every half beat)."""
+        """Suspect the silent, probe them, move the legs of the stalled and fail those of the
+        dead (run every half beat)."""
         found = self.registry.expire()
         for w in found.suspected:
             logger.warning("worker %s (%s) is suspect: not heard from for %.1f s; no new work "
@@ -515,6 +547,8 @@ class Pool:
                            self.registry.clock() - w.last_seen, w.inflight)
             self._event("suspect", w)
             self.changed.set()
+        for w in found.stalled:
+            self._stalled(w, f"silent for {self.registry.move_after:g} s")
         for w in found.dead:
             self.lost(w, f"not heard from for {self.registry.dead_after:g} s")
         for w in found.probe:
@@ -535,7 +569,7 @@ class Pool:
             return
         silent = self.registry.clock() - w.last_seen
         if self.registry.heard(w.id):
-            logger.info("worker %s spoke after %.1f s of silence: no longer suspect", w.id,
+            logger.info("worker %s spoke after %.1f s of silence: ready again", w.id,
                         silent)
             self._event("cleared", w)
             self.changed.set()

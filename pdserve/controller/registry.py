@@ -9,10 +9,14 @@ still late with its heartbeats.
   running, and the pool probes its connection (`Expiry.probe`). Heard from again: `ready`, and
   the suspicion is counted as cleared (a false one). A silent draining worker stays `draining`
   (it gets no new work anyway) and is probed the same way.
+- Silent for `move_after` seconds: `stalled` (a process stopped or frozen, a paused container, an
+  engine that no longer steps). Its legs move to other workers (the pool fails them there and
+  aborts them, which it reads when it wakes); a role left with stalled workers only is missing,
+  so the fallback serves its requests. Heard from again: `ready`, as a suspect.
 - `dead` only on clear evidence: its connection is gone (a probe or a send fails: the pool calls
   `mark_dead`), or it was silent for `dead_after` seconds (a hung process, or a host that went
-  away without closing its connections). Only then are its legs failed. An unregistered worker is
-  gone at once.
+  away without closing its connections). Its legs are failed, and it must register again. An
+  unregistered worker is gone at once.
 
 A check that runs late means this controller itself was stalled: messages from that time may be
 waiting unread, so the stall is not counted as the workers' silence. Dead entries stay visible
@@ -34,8 +38,12 @@ from pdserve.protocol import EngineInfo, Load, Register, Role
 class WorkerState(str, enum.Enum):
     READY = "ready"
     SUSPECT = "suspect"  # silent for `missed` intervals: no new work, its legs keep running
+    STALLED = "stalled"  # silent for `move_after`: no new work, its legs moved elsewhere
     DRAINING = "draining"
     DEAD = "dead"
+
+
+_SILENT = (WorkerState.SUSPECT, WorkerState.STALLED)  # what hearing from a worker ends
 
 
 @dataclass
@@ -128,16 +136,18 @@ class Expiry(NamedTuple):
 
     suspected: list[Worker]  # newly suspect
     dead: list[Worker]  # newly dead: silent for dead_after
-    probe: list[Worker]  # silent (suspect or draining): check that their connection is there
+    probe: list[Worker]  # silent (suspect, stalled or draining): check that their connection is there
+    stalled: list[Worker]  # newly stalled: silent for move_after
 
 
 class Registry:
     def __init__(self, expected: EngineInfo | None = None, *, heartbeat_interval: float = 1.0,
-                 missed: int = 3, dead_after: float = 30.0, forget_after: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 missed: int = 3, move_after: float = 10.0, dead_after: float = 30.0,
+                 forget_after: float = 60.0, clock: Callable[[], float] = time.monotonic):
         self.expected = expected
         self.heartbeat_interval = heartbeat_interval
         self.missed = missed
+        self.move_after = move_after
         self.dead_after = dead_after
         self.forget_after = forget_after
         self.clock = clock
@@ -174,7 +184,7 @@ class Registry:
         if w is None or w.state == WorkerState.DEAD:
             return False  # a verdict stands: the worker must register again
         w.last_seen = self.clock()
-        if w.state != WorkerState.SUSPECT:
+        if w.state not in _SILENT:
             return False
         w.state = WorkerState.READY
         self.suspicions["cleared"] += 1
@@ -203,14 +213,15 @@ class Registry:
     def mark_dead(self, worker_id: str) -> Worker | None:
         w = self.workers.get(worker_id)
         if w is not None and w.state != WorkerState.DEAD:
-            if w.state == WorkerState.SUSPECT:
+            if w.state in _SILENT:
                 self.suspicions["dead"] += 1
             w.state = WorkerState.DEAD
             return w
         return None
 
     def expire(self) -> Expiry:
-        """Suspect silent workers, declare long-silent ones dead, forget long-dead ones."""
+        """Suspect silent workers, stall longer-silent ones, declare long-silent ones dead,
+        forget long-dead ones."""
         now = self.clock()
         # One check per half interval is the pool's pace; a longer gap is this controller's
         # own stall, not the workers' silence.
@@ -218,7 +229,7 @@ class Registry:
             0.0, now - self._checked - self.heartbeat_interval)
         self._checked = now
         suspect_after = self.missed * self.heartbeat_interval + stall
-        found = Expiry([], [], [])
+        found = Expiry([], [], [], [])
         for w in list(self.workers.values()):
             silent = now - w.last_seen
             if w.state == WorkerState.DEAD:
@@ -227,6 +238,11 @@ class Registry:
             elif silent > self.dead_after + stall:
                 self.mark_dead(w.id)
                 found.dead.append(w)
+            elif silent > self.move_after + stall and w.state in (WorkerState.READY,
+                                                                   WorkerState.SUSPECT):
+                w.state = WorkerState.STALLED
+                found.stalled.append(w)
+                found.probe.append(w)
             elif silent > suspect_after:
                 if w.state == WorkerState.READY:
                     w.state = WorkerState.SUSPECT

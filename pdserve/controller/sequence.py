@@ -540,6 +540,7 @@ class Sequence:
             leg = self._send(d, Phase.DECODE, ctx, leg_params(
                 self.params, max_tokens=a.left - given, min_tokens=max(0, a.min_left - given),
                 prompt_logprobs=False), kv_transfer_params=kv, forced=forced)
+            leg.reads_from = p.id
             if self._clock is not None:
                 self._clock.decode_sent = time.monotonic()
             self.pending_kv = None  # the decode worker now owns the handoff
@@ -653,8 +654,9 @@ class Sequence:
                 if deadline < watchdog.when():  # a shorter gap than the first wait
                     watchdog.cancel()
                     watchdog = loop.call_at(deadline, leg.queue.put_nowait, _CHECK)
-        except (WorkerLost, WorkerFailed, StepTimeout):
-            self.failed_on.add(leg.worker.id)
+        except (WorkerLost, WorkerFailed, StepTimeout) as e:
+            # A read of KV on a worker that went away blames that worker, not the reader.
+            self.failed_on.add(e.worker_id if isinstance(e, WorkerLost) else leg.worker.id)
             raise
         finally:
             watchdog.cancel()

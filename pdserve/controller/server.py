@@ -118,8 +118,15 @@ def add_pd_args(parser) -> None:
                    help="a worker silent for this many intervals is suspect: it gets no new "
                         "requests, its running ones go on; it is dead at once if its connection "
                         "is gone")
+    # A worker that sends nothing at all (not one output) for this long is not merely late: a
+    # stopped or frozen process, a paused container. Its streams should not wait on it.
+    g.add_argument("--move-after", type=float, default=10.0,
+                   help="seconds of silence after which a worker whose connection is still up "
+                        "is stalled: its requests move to other workers (those of its KV too), "
+                        "it gets none until heard from again")
     # Long: a worker on overcommitted cores can be alive and busy yet silent for seconds, and a
-    # dead verdict fails its requests over (docs/architecture.md, "A worker dies").
+    # dead verdict makes it abort everything and register again (docs/architecture.md, "A
+    # worker dies").
     g.add_argument("--dead-after", type=float, default=30.0,
                    help="seconds of silence after which a worker whose connection is still up "
                         "is dead (a hung process, or a host gone without closing it); workers "
@@ -277,7 +284,8 @@ async def serve(args: argparse.Namespace) -> None:
                                                      args.api_server_index or 0)
     pool = Pool(f"tcp://{worker_host}:{worker_port}", expected=expected_info(vllm_config),
                 keys=keys, heartbeat_interval=args.heartbeat_interval,
-                missed_heartbeats=args.missed_heartbeats, dead_after=args.dead_after,
+                missed_heartbeats=args.missed_heartbeats, move_after=args.move_after,
+                dead_after=args.dead_after,
                 siblings=siblings, kv_index=not args.no_kv_index)
     metrics = Metrics()
     metrics.watch_pool(pool.registry)

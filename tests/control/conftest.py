@@ -46,11 +46,13 @@ async def make_cluster(vllm_config):
     made: list[Cluster] = []
 
     async def make(settings: Settings | None = None, heartbeat: float = HEARTBEAT,
-                   missed: int = MISSED, dead_after: float = 30.0, expected=FAKE_INFO, keys=None,
+                   missed: int = MISSED, move_after: float = 10.0, dead_after: float = 30.0,
+                   expected=FAKE_INFO, keys=None,
                    bind: str = "tcp://127.0.0.1:0", siblings: list[int] | None = None,
                    ) -> Cluster:
         pool = Pool(bind, expected=expected, keys=keys, heartbeat_interval=heartbeat,
-                    missed_heartbeats=missed, dead_after=dead_after, siblings=siblings)
+                    missed_heartbeats=missed, move_after=move_after, dead_after=dead_after,
+                    siblings=siblings)
         pool.start()
         c = Cluster(PDController(vllm_config, pool, settings or fast_settings()), heartbeat)
         made.append(c)

@@ -213,3 +213,90 @@ async def test_an_idle_engines_last_step_figures_do_not_make_its_worker_look_bus
         await cluster.run(PROMPT, greedy(3))
     assert len(w.engine.served) == 1
     await cluster.assert_clean()
+
+
+def freeze(c, w) -> Callable[[], None]:
+    """Stop the worker as SIGSTOP does: the controller hears nothing from it (its connection
+    stays up), its engine does not step, and reads of the KV it holds wait. Returns the thaw."""
+    dispatch = c.pool._dispatch
+
+    def deaf(identity: bytes, msg) -> None:
+        if identity != w.worker_id.encode():
+            dispatch(identity, msg)
+
+    c.pool._dispatch = deaf
+    w.engine.thawed.clear()
+
+    def thaw() -> None:
+        delattr(c.pool, "_dispatch")
+        w.engine.thawed.set()
+    return thaw
+
+
+async def test_a_stream_on_a_frozen_decode_worker_moves_on_and_the_worker_comes_back(
+        make_cluster):
+    # The token timeout is long: only the worker's silence can move the stream in time.
+    c = await make_cluster(missed=5, move_after=1.0, settings=fast_settings(token_timeout=60.0))
+    await c.add("prefill")
+    d1, = await c.add("decode", decode_delay=0.03)
+    aborted = spy_aborts(d1)
+    params = greedy(60)
+    req = asyncio.create_task(c.run(PROMPT, params))
+    await wait_until(lambda: d1.engine.active_requests(), what="the decode to start")
+    d2, = await c.add("decode")
+    thaw = freeze(c, d1)
+    seen = await states_while(c, d1.worker_id, req)
+    outs = await req
+    assert final_tokens(outs) == fake.reference(PROMPT, params).token_ids
+    assert "stalled" in seen and "dead" not in seen
+    assert migrations(c) == 1 and len(d2.engine.served) == 1
+    thaw()  # it reads the abort the controller left it, and is given work again
+    await wait_until(lambda: c.is_ready(d1.worker_id), 5, "d1 ready again")
+    await wait_until(lambda: not d1.engine.active_requests(), 5, "d1 to drop the leg")
+    assert len(aborted) == 1 and c.pool.registry.suspicions == {"cleared": 1, "dead": 0}
+    await c.assert_clean()
+
+
+async def test_a_frozen_lone_prefill_worker_is_a_missing_one_its_prefill_moves(make_cluster):
+    c = await make_cluster(missed=5, move_after=1.0, settings=fast_settings(
+        prefill_timeout=60.0, queue_timeout=60.0))
+    p, = await c.add("prefill", prefill_delay_per_token=0.01)
+    d, = await c.add("decode")
+    first = asyncio.create_task(c.run(PROMPT, greedy(8)))
+    await wait_until(lambda: p.engine.active_requests(), what="the prefill to start")
+    thaw = freeze(c, p)
+    # Its prefill, and a request that comes once it is stalled, are served whole by the decode
+    # worker.
+    await wait_until(lambda: state(c, p.worker_id) == "stalled", 5, "p stalled")
+    second = await c.run(PROMPT[::-1], greedy(8))
+    assert final_tokens(second) == fake.reference(PROMPT[::-1], greedy(8)).token_ids
+    assert final_tokens(await first) == fake.reference(PROMPT, greedy(8)).token_ids
+    assert state(c, p.worker_id) == "stalled" and len(d.engine.served) == 2
+    assert c.controller.metrics.registry.get_sample_value(
+        "pdserve_retries_total", {"kind": "prefill_retry"}) == 1
+    thaw()
+    await wait_until(lambda: c.is_ready(p.worker_id), 5, "p ready again")
+    outs = await c.run(PROMPT + [1], greedy(8))  # disaggregated again
+    assert final_tokens(outs) == fake.reference(PROMPT + [1], greedy(8)).token_ids
+    assert len(p.engine.served) == 2
+    await c.assert_clean()
+
+
+async def test_a_read_of_kv_held_by_a_frozen_prefill_worker_gives_way_to_a_new_prefill(
+        make_cluster):
+    c = await make_cluster(missed=5, move_after=1.0, settings=fast_settings(token_timeout=60.0))
+    p1, p2 = await c.add("prefill", 2)
+    d, = await c.add("decode", kv_read_delay=0.3)  # a busy engine: it reads the KV late
+    params = greedy(8)
+    req = asyncio.create_task(c.run(PROMPT, params))
+    await wait_until(lambda: any(w.engine.held_blocks() for w in (p1, p2)),
+                     what="the prefill to hold its KV")
+    holder, other = (p1, p2) if p1.engine.held_blocks() else (p2, p1)
+    thaw = freeze(c, holder)
+    outs = await req
+    assert final_tokens(outs) == fake.reference(PROMPT, params).token_ids
+    # Prefilled again on the other prefill worker; the decode engine read that KV.
+    assert len(other.engine.served) == 1 and d.engine.kv_reads == 1
+    thaw()
+    await wait_until(lambda: c.is_ready(holder.worker_id), 5, "the holder ready again")
+    await c.assert_clean()

@@ -36,12 +36,13 @@ def register(reg, wid: str, role=Role.DECODE, info=INFO, identity: bytes | None 
                                  session=session), identity or wid.encode())
 
 
-NOTHING = ([], [], [])  # an Expiry that found nothing
+NOTHING = ([], [], [], [])  # an Expiry that found nothing
 
 
-def tick(reg, clock, seconds: float, step: float = 0.5) -> tuple[set, set, set]:
-    """Let time pass with a check every `step` (the pool's pace); the ids each list named."""
-    found: tuple[set, set, set] = (set(), set(), set())
+def tick(reg, clock, seconds: float, step: float = 0.5) -> tuple[set, set, set, set]:
+    """Let time pass with a check every `step` (the pool's pace); the ids each list named
+    (suspected, dead, probed, stalled)."""
+    found: tuple[set, set, set, set] = (set(), set(), set(), set())
     for _ in range(round(seconds / step)):
         clock.t += step
         for ids, workers in zip(found, reg.expire()):
@@ -125,15 +126,34 @@ def test_a_suspect_that_speaks_is_ready_again_and_counted_as_a_false_suspicion(r
     assert reg.heard("ghost") is False
 
 
+def test_a_suspect_silent_for_move_after_is_stalled_until_heard(reg, clock):
+    register(reg, "d1")
+    register(reg, "d2")
+    suspected, dead, probed, stalled = tick(reg, clock, 10.0)
+    assert suspected == probed == {"d1", "d2"} and dead == stalled == set()
+    reg.heartbeat("d2", Load(), False)
+    clock.t += 0.01
+    found = reg.expire()
+    assert [w.id for w in found.stalled] == ["d1"] and [w.id for w in found.probe] == ["d1"]
+    assert found.dead == [] and reg.workers["d1"].state == WorkerState.STALLED
+    # Not a worker that may be back in a moment: a role of stalled workers only is missing.
+    assert [w.id for w in reg.ready(Role.DECODE, suspect=True)] == ["d2"]
+    assert reg.counts() == {("decode", "stalled"): 1, ("decode", "ready"): 1}
+    # Stalled once, probed at every check until it speaks or is dead.
+    assert tick(reg, clock, 1.0)[2:] == ({"d1"}, set())
+    assert reg.heard("d1") is True and reg.workers["d1"].state == WorkerState.READY
+    assert reg.suspicions == {"cleared": 2, "dead": 0}
+
+
 def test_dead_only_after_dead_after_of_silence(reg, clock):
     register(reg, "d1")
-    suspected, dead, probed = tick(reg, clock, 30.0)
-    assert suspected == probed == {"d1"} and dead == set()
-    assert reg.workers["d1"].state == WorkerState.SUSPECT
-    suspected, dead, probed = tick(reg, clock, 0.5)
+    suspected, dead, probed, stalled = tick(reg, clock, 30.0)
+    assert suspected == probed == stalled == {"d1"} and dead == set()
+    assert reg.workers["d1"].state == WorkerState.STALLED
+    suspected, dead, probed, stalled = tick(reg, clock, 0.5)
     assert dead == {"d1"} and reg.workers["d1"].state == WorkerState.DEAD
     assert reg.suspicions == {"cleared": 0, "dead": 1}
-    assert tick(reg, clock, 1.0) == (set(), set(), set())  # reported once, no longer probed
+    assert tick(reg, clock, 1.0) == (set(), set(), set(), set())  # reported once, not probed
     # A verdict stands: the dead worker's messages are not heard, its heartbeat is refused
     # (it must register again) ...
     assert reg.heard("d1") is False and reg.heartbeat("d1", Load(), False) is None
@@ -180,10 +200,10 @@ def test_drain_takes_a_worker_out_of_routing(reg, clock):
     assert reg.ready(Role.DECODE) == [] and reg.ready(Role.DECODE, suspect=True) == []
     assert reg.drain("ghost") is None
     # Silent draining workers are probed (they get no new work anyway), then dead.
-    suspected, dead, probed = tick(reg, clock, 4.0)
-    assert suspected == dead == set() and probed == {"d1", "d2"}
+    suspected, dead, probed, stalled = tick(reg, clock, 11.0)
+    assert suspected == dead == stalled == set() and probed == {"d1", "d2"}
     assert reg.workers["d1"].state == WorkerState.DRAINING
-    assert tick(reg, clock, 27.0)[1] == {"d1", "d2"}
+    assert tick(reg, clock, 20.0)[1] == {"d1", "d2"}
     assert reg.suspicions == {"cleared": 0, "dead": 0}  # never suspects
 
 
