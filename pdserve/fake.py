@@ -38,7 +38,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 
 from pdserve.fake_cache import FakePrefixCache
 from pdserve.protocol import KV_READ_STATS, EngineInfo, Load, Role
-from pdserve.worker.engine import FORCED_TOKENS_ARG, expected_info
+from pdserve.worker.engine import FORCED_TOKENS_ARG, EngineProbe, expected_info
 from pdserve.worker.kv_events import KvEventSource
 
 logger = logging.getLogger(__name__)
@@ -197,9 +197,11 @@ class FakeEngine:
         # steps later): the prefill engine must still hold the blocks then.
         self.kv_read_delay = kv_read_delay
         # Cleared while the engine is frozen (its process stopped, as by SIGSTOP): nothing
-        # steps, and a read of its KV waits (its connection stays up) until it is thawed.
+        # steps, nor answers its worker's probe, and a read of its KV waits (its connection
+        # stays up) until it is thawed.
         self.thawed = asyncio.Event()
         self.thawed.set()
+        self._probe = EngineProbe(self.thawed.wait)
         self.dead = False
         self._held: dict[str, _Hold] = {}
         self._active: dict[str, int] = {}  # request id -> blocks in use
@@ -403,6 +405,9 @@ class FakeEngine:
         used = sum(h.blocks for h in self._held.values()) + sum(self._active.values())
         return Load(running=len(self._active), waiting=self.waiting,
                     kv_usage=min(1.0, used / self.num_blocks))
+
+    def unanswered(self) -> float:
+        return self._probe.unanswered()
 
     async def check_health(self) -> None:
         self._check_alive()

@@ -6,8 +6,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -55,9 +57,42 @@ class Engine(Protocol):
 
     def load(self) -> Load: ...
 
+    def unanswered(self) -> float:
+        """Seconds the engine has left a question unanswered (0 while it answers: EngineProbe)."""
+        ...
+
     async def check_health(self) -> None: ...
 
     def shutdown(self) -> None: ...
+
+
+class EngineProbe:
+    """Whether an engine still steps, seen from its worker: a question it answers between two
+    steps, one out at a time, asked again once answered. vLLM's health check only says whether
+    the engine core died; one that stopped (SIGSTOP, a paused container, a hang) passes it."""
+
+    def __init__(self, ask: Callable[[], Awaitable[Any]],
+                 clock: Callable[[], float] = time.monotonic):
+        self.ask = ask
+        self.clock = clock
+        self._out: asyncio.Future | None = None
+        self._sent = 0.0
+
+    def unanswered(self) -> float:
+        """Seconds the question out has waited (0 when there was none out: one is asked now).
+        Never cancelled: a late answer is only late."""
+        now = self.clock()
+        if self._out is not None and not self._out.done():
+            return now - self._sent
+        self._out, self._sent = asyncio.ensure_future(self.ask()), now
+        self._out.add_done_callback(_retrieve)
+        return 0.0
+
+
+def _retrieve(answer: asyncio.Future) -> None:
+    # A dead engine's error is the health check's to report; this only marks it seen.
+    if not answer.cancelled():
+        answer.exception()
 
 
 @dataclass
@@ -252,6 +287,8 @@ class VllmEngine:
         self.kv_events = event_source(args)
         ktc = self.vllm_config.kv_transfer_config
         self._frees_held = ktc is not None and ktc.kv_connector == CPU_CONNECTOR
+        # A utility call the engine core answers between steps (a flag it reads).
+        self._probe = EngineProbe(self.llm.is_paused)
 
     def generate(self, request_id, prompt_token_ids, sampling_params):
         prompt = {"type": "token", "prompt_token_ids": prompt_token_ids}
@@ -275,6 +312,9 @@ class VllmEngine:
 
     def load(self) -> Load:
         return self._stats.load
+
+    def unanswered(self) -> float:
+        return self._probe.unanswered()
 
     async def check_health(self) -> None:
         await self.llm.check_health()

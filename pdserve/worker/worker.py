@@ -12,6 +12,10 @@ change nothing: heartbeats go on, and so do the requests. Any message from a con
 hearing from it, and a beat that comes late (this process was stalled, what the controller sent
 may be unread) does not count that stall as the controller's silence.
 
+A worker whose engine stops answering a probe it answers between steps (ENGINE_ANSWER_S: the
+engine core stopped, paused or hung; vLLM's health check sees only a dead one) holds its
+heartbeats until it answers again: its controllers then stall it and move its requests.
+
 Heartbeats are sent from the event loop, not from a thread of their own. Late beats come from
 overcommitted cores, and a thread gets no more CPU than the loop then; the engine's output
 handler yields to the loop between chunks, so outputs do not hold a beat back for long (fake
@@ -64,6 +68,12 @@ HANDOFF_WAIT_S = 5.0
 # Seconds before the other controllers hear of decode slots a controller's streams freed: time
 # for it to fill them from its own line (a few ms from the stream's end, more under load).
 FREED_AFTER = 0.1
+# An engine that has not answered its worker's probe for this long (between two steps; this
+# process's own stall not counted) has stopped: stopped by a signal, paused, or hung. Its worker
+# then holds its heartbeats, so that its controllers give it no work and, after their
+# --move-after, move its requests, as for a worker that stopped itself. Long: a step of a big
+# model's prefill chunk on a CPU can take seconds.
+ENGINE_ANSWER_S = 5.0
 
 
 class _Steps:
@@ -196,6 +206,7 @@ class PDWorker:
         self.handing: dict[tuple[int, str], float] = {}
         self.stopped = asyncio.Event()
         self.engine_dead = False
+        self.engine_stopped = False  # its engine leaves the probe unanswered (ENGINE_ANSWER_S)
         self.left = False  # unregistered from every controller
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -410,6 +421,7 @@ class PDWorker:
                 return
             now = time.monotonic()
             stall, beat = max(0.0, now - beat - self.heartbeat_interval), now
+            silent = self._engine_stopped(self.engine.unanswered() - stall)
             load = self._load()
             for i, link in list(self.links.items()):
                 if link.refused:
@@ -422,6 +434,8 @@ class PDWorker:
                     await self._abort_link(i)
                 if link.retiring and (not link.registered or not self._count(i)):
                     self._close(i, "left the controller set")
+                    continue
+                if silent:
                     continue
                 msg: protocol.Heartbeat | protocol.Register
                 if link.registered:
@@ -439,6 +453,21 @@ class PDWorker:
                 except zmq.Again:
                     pass  # not connected yet; the next beat tries again
             await asyncio.sleep(self.heartbeat_interval)
+
+    def _engine_stopped(self, unanswered: float) -> bool:
+        """Whether the engine has left its probe unanswered for ENGINE_ANSWER_S; says when
+        that begins and ends."""
+        stopped = unanswered > ENGINE_ANSWER_S
+        if stopped and not self.engine_stopped:
+            logger.warning("worker %s: its engine has not answered for %.0f s (it does not "
+                           "step): no heartbeats until it does, so that the controllers send "
+                           "it nothing and move its %d requests", self.worker_id, unanswered,
+                           len(self.tasks))
+        elif self.engine_stopped and not stopped:
+            logger.info("worker %s: its engine answers again: heartbeats resume",
+                        self.worker_id)
+        self.engine_stopped = stopped
+        return stopped
 
     def _load(self) -> protocol.Load:
         """The engine's load, with the decode steps seen since the last heartbeat. vLLM reports

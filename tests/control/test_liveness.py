@@ -14,6 +14,7 @@ from fakepool import fast_settings, final_tokens, greedy, wait_until
 
 from pdserve import fake, protocol
 from pdserve.worker import worker as worker_mod
+from pdserve.worker.engine import EngineProbe
 
 PROMPT = list(range(600, 640))
 
@@ -245,10 +246,9 @@ async def test_a_stream_on_a_frozen_decode_worker_moves_on_and_the_worker_comes_
     await wait_until(lambda: d1.engine.active_requests(), what="the decode to start")
     d2, = await c.add("decode")
     thaw = freeze(c, d1)
-    seen = await states_while(c, d1.worker_id, req)
     outs = await req
     assert final_tokens(outs) == fake.reference(PROMPT, params).token_ids
-    assert "stalled" in seen and "dead" not in seen
+    assert state(c, d1.worker_id) == "stalled"  # not dead: its connection is up
     assert migrations(c) == 1 and len(d2.engine.served) == 1
     thaw()  # it reads the abort the controller left it, and is given work again
     await wait_until(lambda: c.is_ready(d1.worker_id), 5, "d1 ready again")
@@ -300,3 +300,58 @@ async def test_a_read_of_kv_held_by_a_frozen_prefill_worker_gives_way_to_a_new_p
     thaw()
     await wait_until(lambda: c.is_ready(holder.worker_id), 5, "the holder ready again")
     await c.assert_clean()
+
+
+async def test_a_worker_whose_engine_stops_answering_goes_quiet_and_its_stream_moves(
+        make_cluster, monkeypatch):
+    # The worker runs on; its engine core alone is stopped (SIGSTOP to it, or a hang), which
+    # vLLM's health check does not see.
+    monkeypatch.setattr(worker_mod, "ENGINE_ANSWER_S", 0.3)
+    c = await make_cluster(missed=5, move_after=1.0, settings=fast_settings(token_timeout=60.0))
+    await c.add("prefill")
+    d1, = await c.add("decode", decode_delay=0.03)
+    aborted = spy_aborts(d1)
+    params = greedy(60)
+    req = asyncio.create_task(c.run(PROMPT, params))
+    await wait_until(lambda: d1.engine.active_requests(), what="the decode to start")
+    d2, = await c.add("decode")
+    d1.engine.thawed.clear()
+    outs = await req
+    assert final_tokens(outs) == fake.reference(PROMPT, params).token_ids
+    assert state(c, d1.worker_id) == "stalled" and d1.engine_stopped
+    assert migrations(c) == 1 and len(d2.engine.served) == 1
+    d1.engine.thawed.set()
+    await wait_until(lambda: c.is_ready(d1.worker_id), 5, "d1 ready again")
+    await wait_until(lambda: not d1.engine.active_requests(), 5, "d1 to drop the leg")
+    assert len(aborted) == 1 and not d1.engine_stopped
+    await c.assert_clean()
+
+
+async def test_the_engine_probe_has_one_question_out_and_times_it():
+    now = [100.0]
+    answer = asyncio.Event()
+    asked: list[float] = []
+
+    async def ask() -> None:
+        asked.append(now[0])
+        await answer.wait()
+
+    probe = EngineProbe(ask, clock=lambda: now[0])
+    assert probe.unanswered() == 0.0  # none was out: asked now
+    await asyncio.sleep(0)
+    now[0] += 2.5
+    assert probe.unanswered() == 2.5 and asked == [100.0]  # still out: not asked again
+    answer.set()
+    await asyncio.sleep(0)
+    now[0] += 1.0
+    assert probe.unanswered() == 0.0  # answered: asked anew
+    await asyncio.sleep(0)
+    assert asked == [100.0, 103.5]
+
+    async def dead() -> None:  # an engine that died answers with its error: an answer too
+        raise RuntimeError("engine dead")
+
+    probe = EngineProbe(dead, clock=lambda: now[0])
+    probe.unanswered()
+    await asyncio.sleep(0)
+    assert probe.unanswered() == 0.0
