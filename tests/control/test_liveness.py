@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 
 import msgspec
+import pytest
 
 from fakepool import fast_settings, final_tokens, greedy, wait_until
 
@@ -234,9 +235,19 @@ def freeze(c, w) -> Callable[[], None]:
     return thaw
 
 
-async def test_a_stream_on_a_frozen_decode_worker_moves_on_and_the_worker_comes_back(
-        make_cluster):
-    # The token timeout is long: only the worker's silence can move the stream in time.
+def freeze_engine(w) -> Callable[[], None]:
+    """Stop the worker's engine core alone (SIGSTOP to it, or a hang): the worker runs on, and
+    vLLM's health check passes. Returns the thaw."""
+    w.engine.thawed.clear()
+    return w.engine.thawed.set
+
+
+@pytest.mark.parametrize("stopped", ["worker", "engine"])
+async def test_a_stream_on_a_stopped_decode_worker_moves_on_and_the_worker_comes_back(
+        make_cluster, monkeypatch, stopped):
+    # A worker whose engine stops holds its heartbeats (ENGINE_ANSWER_S), as silent as one
+    # stopped itself. The token timeout is long: only that silence can move the stream in time.
+    monkeypatch.setattr(worker_mod, "ENGINE_ANSWER_S", 0.3)
     c = await make_cluster(missed=5, move_after=1.0, settings=fast_settings(token_timeout=60.0))
     await c.add("prefill")
     d1, = await c.add("decode", decode_delay=0.03)
@@ -245,7 +256,7 @@ async def test_a_stream_on_a_frozen_decode_worker_moves_on_and_the_worker_comes_
     req = asyncio.create_task(c.run(PROMPT, params))
     await wait_until(lambda: d1.engine.active_requests(), what="the decode to start")
     d2, = await c.add("decode")
-    thaw = freeze(c, d1)
+    thaw = freeze(c, d1) if stopped == "worker" else freeze_engine(d1)
     outs = await req
     assert final_tokens(outs) == fake.reference(PROMPT, params).token_ids
     assert state(c, d1.worker_id) == "stalled"  # not dead: its connection is up
@@ -253,7 +264,8 @@ async def test_a_stream_on_a_frozen_decode_worker_moves_on_and_the_worker_comes_
     thaw()  # it reads the abort the controller left it, and is given work again
     await wait_until(lambda: c.is_ready(d1.worker_id), 5, "d1 ready again")
     await wait_until(lambda: not d1.engine.active_requests(), 5, "d1 to drop the leg")
-    assert len(aborted) == 1 and c.pool.registry.suspicions == {"cleared": 1, "dead": 0}
+    assert len(aborted) == 1 and not d1.engine_stopped
+    assert c.pool.registry.suspicions == {"cleared": 1, "dead": 0}
     await c.assert_clean()
 
 
@@ -299,31 +311,6 @@ async def test_a_read_of_kv_held_by_a_frozen_prefill_worker_gives_way_to_a_new_p
     assert len(other.engine.served) == 1 and d.engine.kv_reads == 1
     thaw()
     await wait_until(lambda: c.is_ready(holder.worker_id), 5, "the holder ready again")
-    await c.assert_clean()
-
-
-async def test_a_worker_whose_engine_stops_answering_goes_quiet_and_its_stream_moves(
-        make_cluster, monkeypatch):
-    # The worker runs on; its engine core alone is stopped (SIGSTOP to it, or a hang), which
-    # vLLM's health check does not see.
-    monkeypatch.setattr(worker_mod, "ENGINE_ANSWER_S", 0.3)
-    c = await make_cluster(missed=5, move_after=1.0, settings=fast_settings(token_timeout=60.0))
-    await c.add("prefill")
-    d1, = await c.add("decode", decode_delay=0.03)
-    aborted = spy_aborts(d1)
-    params = greedy(60)
-    req = asyncio.create_task(c.run(PROMPT, params))
-    await wait_until(lambda: d1.engine.active_requests(), what="the decode to start")
-    d2, = await c.add("decode")
-    d1.engine.thawed.clear()
-    outs = await req
-    assert final_tokens(outs) == fake.reference(PROMPT, params).token_ids
-    assert state(c, d1.worker_id) == "stalled" and d1.engine_stopped
-    assert migrations(c) == 1 and len(d2.engine.served) == 1
-    d1.engine.thawed.set()
-    await wait_until(lambda: c.is_ready(d1.worker_id), 5, "d1 ready again")
-    await wait_until(lambda: not d1.engine.active_requests(), 5, "d1 to drop the leg")
-    assert len(aborted) == 1 and not d1.engine_stopped
     await c.assert_clean()
 
 
