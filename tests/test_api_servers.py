@@ -19,6 +19,7 @@ import json
 import os
 import re
 import signal
+import socket
 import sys
 import threading
 import time
@@ -253,6 +254,29 @@ def test_both_api_servers_serve_the_whole_pool_alike(front: Front) -> None:
     for t in threads:
         t.join(60)
     assert all(a.whole(front.reference) for a in answers), answers
+
+
+def test_an_idle_connection_stays_open_past_vllms_keep_alive_for_its_next_request(
+        front: Front) -> None:
+    # Clients reuse an idle connection for seconds after vLLM's default 5 s (aiohttp 15 s): a
+    # server that closed it meanwhile would fail the request sent on it (net.KEEP_ALIVE_S).
+    conn = http.client.HTTPConnection("127.0.0.1", front.port, timeout=10)
+    try:
+        conn.request("GET", "/pd/workers")
+        assert conn.getresponse().read() and conn.sock is not None
+        first = conn.sock
+        time.sleep(6.0)
+        first.setblocking(False)
+        try:
+            assert first.recv(1, socket.MSG_PEEK) != b"", "the server closed the connection"
+        except BlockingIOError:
+            pass  # open, and nothing to read: as it should be
+        first.setblocking(True)
+        conn.request("GET", "/pd/workers")
+        r = conn.getresponse()
+        assert r.status == 200 and r.read() and conn.sock is first  # the same connection
+    finally:
+        conn.close()
 
 
 def test_a_killed_api_server_loses_only_its_own_streams_and_comes_back(front: Front) -> None:

@@ -29,7 +29,7 @@ from typing import Self
 
 from pdserve import launcher
 from pdserve.bench.metrics import Slo
-from pdserve.net import free_port
+from pdserve.net import free_port, keep_idle_connections
 from pdserve.supervisor import Child, stop_children
 from pdserve.worker.engine import IN_ENGINE_CORE_EXECUTOR, is_cpu_host, parse_cores
 
@@ -128,9 +128,7 @@ def planner_args(slo: Slo, profile: str | None = None, extra: str = "") -> list[
 def bench_env(tmp: Path) -> dict[str, str]:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     env.setdefault("VLLM_RPC_BASE_PATH", str(tmp))
-    # The client keeps idle connections 60 s; a server closing them after vLLM's default 5 s
-    # races with their reuse and fails a request now and then ("Server disconnected").
-    env.setdefault("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "75")
+    keep_idle_connections(env)  # vLLM's own servers too: the client keeps idle ones 60 s
     return env
 
 

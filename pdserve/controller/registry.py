@@ -136,7 +136,7 @@ class Expiry(NamedTuple):
 
     suspected: list[Worker]  # newly suspect
     dead: list[Worker]  # newly dead: silent for dead_after
-    probe: list[Worker]  # silent (suspect, stalled or draining): check that their connection is there
+    probe: list[Worker]  # silent (suspect, stalled, draining): is their connection there?
     stalled: list[Worker]  # newly stalled: silent for move_after
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import socket
 import sys
@@ -29,6 +30,7 @@ from pdserve.controller.router import DECODE_POLICIES, PREFILL_POLICIES
 from pdserve.controller.sequence import Settings
 from pdserve.errors import Refused
 from pdserve.models import BUILTIN_MODEL_NAME, resolve_model
+from pdserve.net import keep_idle_connections
 from pdserve.planner.capacity import Slo
 from pdserve.planner.costmodel import Profile
 from pdserve.planner.roles import RolePlanner
@@ -273,6 +275,7 @@ async def serve(args: argparse.Namespace) -> None:
     import prometheus_client
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.app import build_app
+    from vllm import envs
     from vllm.entrypoints.launchers.launcher import serve_http
     from vllm.entrypoints.launchers.utils.server_utils import get_uvicorn_log_config
     from vllm.v1.metrics.prometheus import get_prometheus_registry
@@ -285,8 +288,7 @@ async def serve(args: argparse.Namespace) -> None:
     pool = Pool(f"tcp://{worker_host}:{worker_port}", expected=expected_info(vllm_config),
                 keys=keys, heartbeat_interval=args.heartbeat_interval,
                 missed_heartbeats=args.missed_heartbeats, move_after=args.move_after,
-                dead_after=args.dead_after,
-                siblings=siblings, kv_index=not args.no_kv_index)
+                dead_after=args.dead_after, siblings=siblings, kv_index=not args.no_kv_index)
     metrics = Metrics()
     metrics.watch_pool(pool.registry)
     registry = get_prometheus_registry()
@@ -324,7 +326,8 @@ async def serve(args: argparse.Namespace) -> None:
             access_log=not args.disable_uvicorn_access_log,
             ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
             ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
-            ssl_ciphers=args.ssl_ciphers, **({"log_config": log_config} if log_config else {}))
+            ssl_ciphers=args.ssl_ciphers, timeout_keep_alive=envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE,
+            **({"log_config": log_config} if log_config else {}))
         _enable_pdserve_loggers()
         await shutdown_task
     finally:
@@ -369,6 +372,7 @@ def _enable_pdserve_loggers() -> None:
 def main(argv: list[str] | None = None) -> None:
     from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
 
+    keep_idle_connections(os.environ)  # read by vLLM's server as it starts; API servers inherit
     parser = make_parser()
     args = parser.parse_args(argv)
     if getattr(args, "model_tag", None) and not args.model:
