@@ -30,13 +30,13 @@ def state(c, wid: str) -> str:
     return "gone" if w is None else w.state.value
 
 
-def mute(c, w) -> Callable[[], None]:
-    """The controller stops hearing the worker's heartbeats, as when the worker's process gets
-    no CPU for them; everything else still arrives. Returns the undo."""
+def mute(c, w, unheard: type = protocol.Heartbeat) -> Callable[[], None]:
+    """The controller stops hearing the worker's heartbeats (`unheard`), as when the worker's
+    process gets no CPU for them; everything else still arrives. Returns the undo."""
     dispatch = c.pool._dispatch
 
     def deaf(identity: bytes, msg) -> None:
-        if identity != w.worker_id.encode() or not isinstance(msg, protocol.Heartbeat):
+        if identity != w.worker_id.encode() or not isinstance(msg, unheard):
             dispatch(identity, msg)
 
     c.pool._dispatch = deaf
@@ -220,18 +220,11 @@ async def test_an_idle_engines_last_step_figures_do_not_make_its_worker_look_bus
 def freeze(c, w) -> Callable[[], None]:
     """Stop the worker as SIGSTOP does: the controller hears nothing from it (its connection
     stays up), its engine does not step, and reads of the KV it holds wait. Returns the thaw."""
-    dispatch = c.pool._dispatch
-
-    def deaf(identity: bytes, msg) -> None:
-        if identity != w.worker_id.encode():
-            dispatch(identity, msg)
-
-    c.pool._dispatch = deaf
-    w.engine.thawed.clear()
+    unmute, thaw_engine = mute(c, w, unheard=object), freeze_engine(w)
 
     def thaw() -> None:
-        delattr(c.pool, "_dispatch")
-        w.engine.thawed.set()
+        unmute()
+        thaw_engine()
     return thaw
 
 
