@@ -12,7 +12,9 @@ still late with its heartbeats.
 - Silent for `move_after` seconds: `stalled` (a process stopped or frozen, a paused container, an
   engine that no longer steps). Its legs move to other workers (the pool fails them there and
   aborts them, which it reads when it wakes); a role left with stalled workers only is missing,
-  so the fallback serves its requests. Heard from again: `ready`, as a suspect.
+  so the fallback serves its requests. A draining worker stalls the same way: the legs it was
+  finishing would otherwise wait for it until `dead_after`. Heard from again: `ready` (or
+  `draining`, for one that was), as a suspect.
 - `dead` only on clear evidence: its connection is gone (a probe or a send fails: the pool calls
   `mark_dead`), or it was silent for `dead_after` seconds (a hung process, or a host that went
   away without closing its connections). Its legs are failed, and it must register again. An
@@ -57,6 +59,7 @@ class Worker:
     registered_at: float
     last_seen: float
     state: WorkerState = WorkerState.READY
+    draining: bool = False  # it said so: what it is again once a silence of its ends
     load: Load = field(default_factory=Load)
     inflight: int = 0  # this controller's requests on the worker right now
     # `inflight` when the engine's last load report came: the report counts those requests too.
@@ -186,7 +189,7 @@ class Registry:
         w.last_seen = self.clock()
         if w.state not in _SILENT:
             return False
-        w.state = WorkerState.READY
+        w.state = WorkerState.DRAINING if w.draining else WorkerState.READY
         self.suspicions["cleared"] += 1
         return True
 
@@ -197,14 +200,14 @@ class Registry:
         self.heard(worker_id)
         w.load, w.inflight_at_report = load, w.inflight
         if draining:
-            w.state = WorkerState.DRAINING
+            w.draining, w.state = True, WorkerState.DRAINING
         return w
 
     def drain(self, worker_id: str) -> Worker | None:
         w = self.workers.get(worker_id)
         self.heard(worker_id)
         if w is not None and w.state == WorkerState.READY:
-            w.state = WorkerState.DRAINING
+            w.draining, w.state = True, WorkerState.DRAINING
         return w
 
     def unregister(self, worker_id: str) -> Worker | None:
@@ -238,8 +241,7 @@ class Registry:
             elif silent > self.dead_after + stall:
                 self.mark_dead(w.id)
                 found.dead.append(w)
-            elif silent > self.move_after + stall and w.state in (WorkerState.READY,
-                                                                   WorkerState.SUSPECT):
+            elif silent > self.move_after + stall and w.state != WorkerState.STALLED:
                 w.state = WorkerState.STALLED
                 found.stalled.append(w)
                 found.probe.append(w)

@@ -78,6 +78,10 @@ def make_parser():
     g.add_argument("--heartbeat-interval", type=float, default=1.0)
     g.add_argument("--drain-timeout", type=float, default=600.0,
                    help="seconds a draining worker waits for in-flight requests")
+    g.add_argument("--engine-hung-after", type=float, default=300.0, metavar="SECONDS",
+                   help="an engine that has not stepped for this long (stopped or hung; its "
+                        "requests moved elsewhere after --move-after) is taken for dead: the "
+                        "worker exits with code 4 so that it is started again; 0: never")
     # vLLM's engine flags with vLLM's defaults: a compiled model (CUDA graphs on a GPU), as a
     # plain `vllm serve` runs it; --enforce-eager starts faster and decodes slower.
     parser = AsyncEngineArgs.add_cli_args(parser)
@@ -156,6 +160,7 @@ async def run(args, starting: StartSignals) -> int:
         worker = PDWorker(engine, role, discovery, worker_id=args.worker_id, address=host,
                           kv_port=kv_port, keys=keys, heartbeat_interval=args.heartbeat_interval,
                           drain_timeout=args.drain_timeout,
+                          engine_hung_after=args.engine_hung_after,
                           discovery_interval=args.discovery_interval)
         stop_on_signals(worker)
     except StoppedDuringStart as e:

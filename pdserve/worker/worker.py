@@ -14,7 +14,9 @@ may be unread) does not count that stall as the controller's silence.
 
 A worker whose engine stops answering a probe it answers between steps (ENGINE_ANSWER_S: the
 engine core stopped, paused or hung; vLLM's health check sees only a dead one) holds its
-heartbeats until it answers again: its controllers then stall it and move its requests.
+heartbeats until it answers again: its controllers then stall it and move its requests. Still
+unanswered after `engine_hung_after`, the engine is taken for hung, as good as dead: the worker
+leaves the pool and exits as for a dead one, so that whoever runs it starts a new one.
 
 Heartbeats are sent from the event loop, not from a thread of their own. Late beats come from
 overcommitted cores, and a thread gets no more CPU than the loop then; the engine's output
@@ -74,6 +76,10 @@ FREED_AFTER = 0.1
 # --move-after, move its requests, as for a worker that stopped itself. Long: a step of a big
 # model's prefill chunk on a CPU can take seconds.
 ENGINE_ANSWER_S = 5.0
+
+
+class EngineHung(RuntimeError):
+    """The engine has not answered its worker's probe for `engine_hung_after` seconds."""
 
 
 class _Steps:
@@ -165,7 +171,8 @@ class PDWorker:
     def __init__(self, engine: Engine, role: Role, controllers: list[str] | Discovery, *,
                  worker_id: str | None = None, address: str = "127.0.0.1", kv_port: int = 0,
                  keys: transport.Keys | None = None, heartbeat_interval: float = 1.0,
-                 drain_timeout: float = 600.0, discovery_interval: float | None = None):
+                 drain_timeout: float = 600.0, discovery_interval: float | None = None,
+                 engine_hung_after: float = 0.0):
         self.discovery = (controllers if isinstance(controllers, Discovery)
                           else Discovery(controllers))
         self.discovery_interval = discovery_interval or heartbeat_interval
@@ -176,6 +183,7 @@ class PDWorker:
         self.kv_port = kv_port
         self.heartbeat_interval = heartbeat_interval
         self.drain_timeout = drain_timeout
+        self.engine_hung_after = engine_hung_after  # 0: never
         self.draining = False
         self.ctx = zmq.asyncio.Context()
         self.keys = keys
@@ -421,7 +429,12 @@ class PDWorker:
                 return
             now = time.monotonic()
             stall, beat = max(0.0, now - beat - self.heartbeat_interval), now
-            silent = self._engine_stopped(self.engine.unanswered() - stall)
+            unanswered = self.engine.unanswered() - stall
+            if 0 < self.engine_hung_after < unanswered:
+                await self._engine_died(EngineHung(
+                    f"it has not answered for {unanswered:.0f} s (--engine-hung-after)"))
+                return
+            silent = self._engine_stopped(unanswered)
             load = self._load()
             for i, link in list(self.links.items()):
                 if link.refused:

@@ -262,6 +262,55 @@ async def test_a_stream_on_a_stopped_decode_worker_moves_on_and_the_worker_comes
     await c.assert_clean()
 
 
+async def test_a_stream_on_a_draining_worker_that_stops_moves_on_and_the_drain_ends(
+        make_cluster):
+    # A worker being drained (systemd's stop, a scale-down) that then stops (a paused container)
+    # holds the legs it was finishing, as a ready one would; they move, and once it wakes it
+    # stays out of routing and drains.
+    c = await make_cluster(missed=5, move_after=1.0, settings=fast_settings(token_timeout=60.0))
+    await c.add("prefill")
+    d1, = await c.add("decode", decode_delay=0.03)
+    params = greedy(60)
+    req = asyncio.create_task(c.run(PROMPT, params))
+    await wait_until(lambda: d1.engine.active_requests(), what="the decode to start")
+    d2, = await c.add("decode")
+    drain = asyncio.create_task(d1.drain())
+    await wait_until(lambda: state(c, d1.worker_id) == "draining", 5, "d1 draining")
+    thaw = freeze(c, d1)
+    outs = await req
+    assert final_tokens(outs) == fake.reference(PROMPT, params).token_ids
+    assert state(c, d1.worker_id) == "stalled" and migrations(c) == 1
+    thaw()
+    await asyncio.wait_for(drain, 10)  # the abort it read ended its leg: nothing left to finish
+    await asyncio.wait_for(c.runs[d1.worker_id], 5)
+    await wait_until(lambda: d1.worker_id not in c.pool.registry.workers, 5, "d1 unregistered")
+    assert len(d1.engine.served) == 1 and len(d2.engine.served) == 1
+    await c.assert_clean()
+
+
+async def test_a_worker_whose_engine_stays_stopped_leaves_the_pool_as_for_a_dead_engine(
+        make_cluster, monkeypatch):
+    # A hung engine core does not come back: past engine_hung_after its worker stops as for a
+    # dead one (and exits 4, worker/main.py), so that whoever runs it starts a new one.
+    monkeypatch.setattr(worker_mod, "ENGINE_ANSWER_S", 0.3)
+    c = await make_cluster(missed=5, move_after=1.0, settings=fast_settings(token_timeout=60.0))
+    await c.add("prefill")
+    d1, = await c.add("decode", decode_delay=0.03)
+    d1.engine_hung_after = 2.0
+    params = greedy(60)
+    req = asyncio.create_task(c.run(PROMPT, params))
+    await wait_until(lambda: d1.engine.active_requests(), what="the decode to start")
+    d2, = await c.add("decode")
+    freeze_engine(d1)
+    assert final_tokens(await req) == fake.reference(PROMPT, params).token_ids
+    await asyncio.wait_for(c.runs[d1.worker_id], 10)
+    assert d1.engine_dead
+    d1.engine.shutdown()  # as worker/main.py does once the worker has stopped
+    await wait_until(lambda: d1.worker_id not in c.pool.registry.workers, 5, "d1 unregistered")
+    assert migrations(c) == 1 and len(d2.engine.served) == 1
+    await c.assert_clean()
+
+
 async def test_a_frozen_lone_prefill_worker_is_a_missing_one_its_prefill_moves(make_cluster):
     c = await make_cluster(missed=5, move_after=1.0, settings=fast_settings(
         prefill_timeout=60.0, queue_timeout=60.0))

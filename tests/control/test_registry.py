@@ -199,12 +199,28 @@ def test_drain_takes_a_worker_out_of_routing(reg, clock):
     reg.heartbeat("d2", Load(), draining=True)  # a heartbeat can say so too
     assert reg.ready(Role.DECODE) == [] and reg.ready(Role.DECODE, suspect=True) == []
     assert reg.drain("ghost") is None
-    # Silent draining workers are probed (they get no new work anyway), then dead.
-    suspected, dead, probed, stalled = tick(reg, clock, 11.0)
+    # Silent draining workers are probed (they get no new work anyway), never suspected...
+    suspected, dead, probed, stalled = tick(reg, clock, 9.0)
     assert suspected == dead == stalled == set() and probed == {"d1", "d2"}
     assert reg.workers["d1"].state == WorkerState.DRAINING
-    assert tick(reg, clock, 20.0)[1] == {"d1", "d2"}
-    assert reg.suspicions == {"cleared": 0, "dead": 0}  # never suspects
+
+
+def test_a_silent_draining_worker_is_stalled_then_drains_again_when_heard(reg, clock):
+    """The legs a draining worker was finishing move when it goes silent for move_after, as a
+    ready worker's do; heard from again it is still draining, not given new work."""
+    register(reg, "d1")
+    register(reg, "d2")
+    reg.drain("d1")
+    reg.heartbeat("d2", Load(), draining=True)
+    suspected, dead, probed, stalled = tick(reg, clock, 11.0)
+    assert stalled == probed == {"d1", "d2"} and suspected == dead == set()
+    assert reg.counts() == {("decode", "stalled"): 2}
+    assert reg.heard("d1") and reg.workers["d1"].state == WorkerState.DRAINING
+    reg.heartbeat("d2", Load(), draining=True)
+    assert reg.workers["d2"].state == WorkerState.DRAINING and reg.ready(Role.DECODE) == []
+    # Silent on, they are dead at dead_after.
+    assert tick(reg, clock, 31.0)[1] == {"d1", "d2"}
+    assert reg.suspicions == {"cleared": 2, "dead": 2}
 
 
 def test_drain_does_not_revive_the_dead(reg, clock):
