@@ -111,6 +111,23 @@ def started(pid: int, proc: Path = PROC) -> int | None:
     return None if rest[0] in ("Z", "X") else int(rest[19])
 
 
+TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pids: list[int], proc: Path = PROC) -> float:
+    """CPU time the processes have used so far, user and system, all their threads (one gone
+    counts nothing)."""
+    ticks = 0
+    for pid in pids:
+        try:
+            text = (proc / str(pid) / "stat").read_text()
+        except OSError:
+            continue
+        rest = text[text.rindex(")") + 2:].split()  # rest[0] is field 3: utime is 14, stime 15
+        ticks += int(rest[11]) + int(rest[12])
+    return ticks / TICKS_PER_S
+
+
 def on_parent_exit(pid: int, then: Callable[[], None], name: str) -> bool:
     """Call `then` in a thread of its own (named `name`) once process `pid`, this process's
     parent, has exited. False, with nothing watched, when `pid` is not this process's parent

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from pdserve import protocol
+from pdserve import procfs, protocol
 from pdserve.protocol import EngineInfo, Load, Role
 from pdserve.worker.kv_events import KvEventSource, ZmqKvEvents, endpoints, events_config
 from pdserve.worker.stop_signals import ENGINE_OWN_GROUP_ENV
@@ -58,7 +58,7 @@ class Engine(Protocol):
     def load(self) -> Load: ...
 
     def unanswered(self) -> float:
-        """Seconds the engine has left a question unanswered (0 while it answers: EngineProbe)."""
+        """Seconds the engine has shown no sign that it steps (0 while it does: EngineProbe)."""
         ...
 
     async def check_health(self) -> None: ...
@@ -69,24 +69,50 @@ class Engine(Protocol):
 class EngineProbe:
     """Whether an engine still steps, seen from its worker: a question it answers between two
     steps, one out at a time, asked again once answered. vLLM's health check only says whether
-    the engine core died; one that stopped (SIGSTOP, a paused container, a hang) passes it."""
+    the engine core died; one that stopped (SIGSTOP, a paused container, a hang) passes it.
+
+    A long step leaves the question out too (a big model's prefill chunk on a CPU can take
+    longer than the worker's patience), so with `cpu` (the engine's processes' CPU seconds) an
+    engine that keeps a share of a core busy (BUSY_SHARE) counts as stepping: a stopped or
+    deadlocked one uses next to none."""
 
     def __init__(self, ask: Callable[[], Awaitable[Any]],
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 cpu: Callable[[], float] | None = None):
         self.ask = ask
         self.clock = clock
+        self.cpu = cpu
         self._out: asyncio.Future | None = None
-        self._sent = 0.0
+        self._since = 0.0  # when it last showed that it steps
+        self._seen = (0.0, 0.0)  # (when, its CPU seconds then)
 
     def unanswered(self) -> float:
-        """Seconds the question out has waited (0 when there was none out: one is asked now).
-        Never cancelled: a late answer is only late."""
+        """Seconds since the engine last answered, or kept its cores busy, while a question was
+        out (0 when there was none out: one is asked now). Never cancelled: a late answer is
+        only late."""
         now = self.clock()
+        busy = self._busy(now)
         if self._out is not None and not self._out.done():
-            return now - self._sent
-        self._out, self._sent = asyncio.ensure_future(self.ask()), now
+            if busy:
+                self._since = now
+            return now - self._since
+        self._out, self._since = asyncio.ensure_future(self.ask()), now
         self._out.add_done_callback(_retrieve)
         return 0.0
+
+    def _busy(self, now: float) -> bool:
+        """Whether the engine used at least BUSY_SHARE of a core since the last look."""
+        if self.cpu is None:
+            return False
+        used = self.cpu()
+        then, before = self._seen
+        self._seen = (now, used)
+        return used - before >= BUSY_SHARE * (now - then)
+
+
+# An engine using this share of a core is computing (a step uses a whole one); a stopped one
+# uses none, and an idle or deadlocked one a percent or two (NIXL's progress thread, polling).
+BUSY_SHARE = 0.1
 
 
 def _retrieve(answer: asyncio.Future) -> None:
@@ -287,8 +313,10 @@ class VllmEngine:
         self.kv_events = event_source(args)
         ktc = self.vllm_config.kv_transfer_config
         self._frees_held = ktc is not None and ktc.kv_connector == CPU_CONNECTOR
-        # A utility call the engine core answers between steps (a flag it reads).
-        self._probe = EngineProbe(self.llm.is_paused)
+        # A utility call the engine core answers between steps (a flag it reads); its
+        # processes are this worker's children.
+        self._probe = EngineProbe(self.llm.is_paused, cpu=lambda: procfs.cpu_seconds(
+            procfs.tree_of(procfs.children(os.getpid()))))
 
     def generate(self, request_id, prompt_token_ids, sampling_params):
         prompt = {"type": "token", "prompt_token_ids": prompt_token_ids}

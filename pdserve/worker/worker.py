@@ -71,10 +71,10 @@ HANDOFF_WAIT_S = 5.0
 # for it to fill them from its own line (a few ms from the stream's end, more under load).
 FREED_AFTER = 0.1
 # An engine that has not answered its worker's probe for this long (between two steps; this
-# process's own stall not counted) has stopped: stopped by a signal, paused, or hung. Its worker
-# then holds its heartbeats, so that its controllers give it no work and, after their
-# --move-after, move its requests, as for a worker that stopped itself. Long: a step of a big
-# model's prefill chunk on a CPU can take seconds.
+# process's own stall not counted), nor kept a core busy meanwhile (a long step: EngineProbe),
+# has stopped: stopped by a signal, paused, or hung. Its worker then holds its heartbeats, so
+# that its controllers give it no work and, after their --move-after, move its requests, as for
+# a worker that stopped itself.
 ENGINE_ANSWER_S = 5.0
 
 

@@ -384,3 +384,26 @@ async def test_the_engine_probe_has_one_question_out_and_times_it():
     probe.unanswered()
     await asyncio.sleep(0)
     assert probe.unanswered() == 0.0
+
+
+async def test_the_engine_probe_counts_a_busy_engine_as_stepping_through_a_long_step():
+    # A step longer than the worker's patience (a big model's prefill chunk on a CPU) leaves the
+    # question out while the engine computes; its CPU time says it steps. A stopped engine's
+    # does not move.
+    now, cpu = [100.0], [5.0]
+    answer = asyncio.Event()
+    probe = EngineProbe(answer.wait, clock=lambda: now[0], cpu=lambda: cpu[0])
+    assert probe.unanswered() == 0.0
+    for _ in range(20):  # 20 s of one step, a core busy
+        now[0] += 1.0
+        cpu[0] += 0.9
+        assert probe.unanswered() == 0.0
+    for waited in (1.0, 2.0, 3.0):  # stopped: no CPU, or a percent (NIXL's polling thread)
+        now[0] += 1.0
+        cpu[0] += 0.01
+        assert probe.unanswered() == waited
+    cpu[0] += 0.5  # woken: computing again
+    now[0] += 1.0
+    assert probe.unanswered() == 0.0
+    answer.set()
+
