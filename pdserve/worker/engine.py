@@ -84,7 +84,7 @@ class EngineProbe:
         self.cpu = cpu
         self._out: asyncio.Future | None = None
         self._since = 0.0  # when it last showed that it steps
-        self._seen = (0.0, 0.0)  # (when, its CPU seconds then)
+        self._seen: tuple[float, float] | None = None  # (when, its CPU seconds then)
 
     def unanswered(self) -> float:
         """Seconds since the engine last answered, or kept its cores busy, while a question was
@@ -104,10 +104,10 @@ class EngineProbe:
         """Whether the engine used at least BUSY_SHARE of a core since the last look."""
         if self.cpu is None:
             return False
-        used = self.cpu()
-        then, before = self._seen
-        self._seen = (now, used)
-        return used - before >= BUSY_SHARE * (now - then)
+        seen, self._seen = self._seen, (now, self.cpu())
+        if seen is None:
+            return False
+        return self._seen[1] - seen[1] >= BUSY_SHARE * (now - seen[0])
 
 
 # An engine using this share of a core is computing (a step uses a whole one); a stopped one
