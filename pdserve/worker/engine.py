@@ -91,17 +91,18 @@ class EngineProbe:
         out (0 when there was none out: one is asked now). Never cancelled: a late answer is
         only late."""
         now = self.clock()
-        busy = self._busy(now)
         if self._out is not None and not self._out.done():
-            if busy:
+            if self._busy(now):
                 self._since = now
             return now - self._since
-        self._out, self._since = asyncio.ensure_future(self.ask()), now
+        self._out, self._since, self._seen = asyncio.ensure_future(self.ask()), now, None
         self._out.add_done_callback(_retrieve)
         return 0.0
 
     def _busy(self, now: float) -> bool:
-        """Whether the engine used at least BUSY_SHARE of a core since the last look."""
+        """Whether the engine used at least BUSY_SHARE of a core since the last look while the
+        question was out (the first such look only notes its CPU time). Not read while the
+        engine answers, as it does within a step: a look costs ~1.5 ms of the worker's loop."""
         if self.cpu is None:
             return False
         seen, self._seen = self._seen, (now, self.cpu())

@@ -390,10 +390,18 @@ async def test_the_engine_probe_counts_a_busy_engine_as_stepping_through_a_long_
     # A step longer than the worker's patience (a big model's prefill chunk on a CPU) leaves the
     # question out while the engine computes; its CPU time says it steps. A stopped engine's
     # does not move.
-    now, cpu = [100.0], [5.0]
+    now, cpu, looks = [100.0], [5.0], []
     answer = asyncio.Event()
-    probe = EngineProbe(answer.wait, clock=lambda: now[0], cpu=lambda: cpu[0])
-    assert probe.unanswered() == 0.0
+
+    def used() -> float:
+        looks.append(now[0])
+        return cpu[0]
+
+    probe = EngineProbe(answer.wait, clock=lambda: now[0], cpu=used)
+    assert probe.unanswered() == 0.0 and looks == []  # asked: its CPU is not read
+    now[0] += 1.0
+    cpu[0] += 0.9
+    assert probe.unanswered() == 1.0 and looks == [101.0]  # out: from here it is
     for _ in range(20):  # 20 s of one step, a core busy
         now[0] += 1.0
         cpu[0] += 0.9
@@ -405,5 +413,9 @@ async def test_the_engine_probe_counts_a_busy_engine_as_stepping_through_a_long_
     cpu[0] += 0.5  # woken: computing again
     now[0] += 1.0
     assert probe.unanswered() == 0.0
-    answer.set()
+    answer.set()  # the step ends: answered, and asked anew without a look at its CPU
+    await asyncio.sleep(0)
+    n = len(looks)
+    now[0] += 1.0
+    assert probe.unanswered() == 0.0 and len(looks) == n
 
