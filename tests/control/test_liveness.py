@@ -63,6 +63,18 @@ async def states_while(c, wid: str, task: asyncio.Task) -> set[str]:
     return seen
 
 
+async def a_stream_on_d1(c):
+    """A prefill worker, and a decode worker d1 streaming a 60-token answer; then an idle decode
+    worker d2, where the stream can move. Returns (d1, d2, the answer's params, the request)."""
+    await c.add("prefill")
+    d1, = await c.add("decode", decode_delay=0.03)
+    params = greedy(60)
+    req = asyncio.create_task(c.run(PROMPT, params))
+    await wait_until(lambda: d1.engine.active_requests(), what="the decode to start")
+    d2, = await c.add("decode")
+    return d1, d2, params, req
+
+
 async def test_a_worker_streaming_outputs_is_alive_whatever_its_heartbeats(make_cluster):
     c = await make_cluster(missed=5)  # suspect after 0.5 s of silence
     await c.add("prefill")
@@ -101,12 +113,7 @@ async def test_a_silent_connected_worker_is_suspect_gets_no_work_and_is_back_whe
 async def test_a_killed_worker_is_dead_within_missed_intervals_and_its_stream_migrates(
         make_cluster):
     c = await make_cluster(missed=5)  # dead_after stays 30 s: the failed probe decides
-    await c.add("prefill")
-    d1, = await c.add("decode", decode_delay=0.03)
-    params = greedy(60)
-    req = asyncio.create_task(c.run(PROMPT, params))
-    await wait_until(lambda: d1.engine.active_requests(), what="the decode to start")
-    d2, = await c.add("decode")
+    d1, d2, params, req = await a_stream_on_d1(c)
     killed = time.monotonic()
     await c.kill(d1.worker_id)
     await wait_until(lambda: state(c, d1.worker_id) == "dead", 10, "d1 dead")
@@ -242,13 +249,8 @@ async def test_a_stream_on_a_stopped_decode_worker_moves_on_and_the_worker_comes
     # stopped itself. The token timeout is long: only that silence can move the stream in time.
     monkeypatch.setattr(worker_mod, "ENGINE_ANSWER_S", 0.3)
     c = await make_cluster(missed=5, move_after=1.0, settings=fast_settings(token_timeout=60.0))
-    await c.add("prefill")
-    d1, = await c.add("decode", decode_delay=0.03)
+    d1, d2, params, req = await a_stream_on_d1(c)
     aborted = spy_aborts(d1)
-    params = greedy(60)
-    req = asyncio.create_task(c.run(PROMPT, params))
-    await wait_until(lambda: d1.engine.active_requests(), what="the decode to start")
-    d2, = await c.add("decode")
     thaw = freeze(c, d1) if stopped == "worker" else freeze_engine(d1)
     outs = await req
     assert final_tokens(outs) == fake.reference(PROMPT, params).token_ids
@@ -268,12 +270,7 @@ async def test_a_stream_on_a_draining_worker_that_stops_moves_on_and_the_drain_e
     # holds the legs it was finishing, as a ready one would; they move, and once it wakes it
     # stays out of routing and drains.
     c = await make_cluster(missed=5, move_after=1.0, settings=fast_settings(token_timeout=60.0))
-    await c.add("prefill")
-    d1, = await c.add("decode", decode_delay=0.03)
-    params = greedy(60)
-    req = asyncio.create_task(c.run(PROMPT, params))
-    await wait_until(lambda: d1.engine.active_requests(), what="the decode to start")
-    d2, = await c.add("decode")
+    d1, d2, params, req = await a_stream_on_d1(c)
     drain = asyncio.create_task(d1.drain())
     await wait_until(lambda: state(c, d1.worker_id) == "draining", 5, "d1 draining")
     thaw = freeze(c, d1)
@@ -294,13 +291,8 @@ async def test_a_worker_whose_engine_stays_stopped_leaves_the_pool_as_for_a_dead
     # dead one (and exits 4, worker/main.py), so that whoever runs it starts a new one.
     monkeypatch.setattr(worker_mod, "ENGINE_ANSWER_S", 0.3)
     c = await make_cluster(missed=5, move_after=1.0, settings=fast_settings(token_timeout=60.0))
-    await c.add("prefill")
-    d1, = await c.add("decode", decode_delay=0.03)
+    d1, d2, params, req = await a_stream_on_d1(c)
     d1.engine_hung_after = 2.0
-    params = greedy(60)
-    req = asyncio.create_task(c.run(PROMPT, params))
-    await wait_until(lambda: d1.engine.active_requests(), what="the decode to start")
-    d2, = await c.add("decode")
     freeze_engine(d1)
     assert final_tokens(await req) == fake.reference(PROMPT, params).token_ids
     await asyncio.wait_for(c.runs[d1.worker_id], 10)
