@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import logging
 import math
@@ -174,7 +175,8 @@ class FakeEngine:
                  prefill_delay_per_token: float = 0.0, decode_delay: float = 0.0,
                  hold_timeout: float = 120.0, fail_after_tokens: int | None = None,
                  stall_after_tokens: int | None = None, kv_events: bool = True,
-                 max_seqs: int = 0, last_output_delay: float = 0.0, kv_read_delay: float = 0.0):
+                 max_seqs: int = 0, last_output_delay: float = 0.0, kv_read_delay: float = 0.0,
+                 prefill_in_turn: bool = False):
         self.info = info or fake_info()
         self.address = address
         self.kv_port = kv_port
@@ -196,6 +198,10 @@ class FakeEngine:
         # How long a decode request waits before its KV is read (a busy engine schedules it
         # steps later): the prefill engine must still hold the blocks then.
         self.kv_read_delay = kv_read_delay
+        # Prefills one at a time, in the order they came (a busy engine's line), instead of
+        # all at once.
+        self._prefill_turn: contextlib.AbstractAsyncContextManager = (
+            asyncio.Lock() if prefill_in_turn else contextlib.nullcontext())
         # Cleared while the engine is frozen (its process stopped, as by SIGSTOP): nothing
         # steps, nor answers its worker's probe, and a read of its KV waits (its connection
         # stays up) until it is thawed.
@@ -305,7 +311,8 @@ class FakeEngine:
             self.received.append((prompt, p))
             sampler = _Sampler(p, self.eos_token_id, self.vocab_size)
             context = list(prompt)
-            await asyncio.sleep(self.prefill_delay_per_token * (len(prompt) - cached))
+            async with self._prefill_turn:
+                await asyncio.sleep(self.prefill_delay_per_token * (len(prompt) - cached))
             await self.thawed.wait()
             self._check_alive()
             self.cache.store(prompt)

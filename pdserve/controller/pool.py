@@ -74,6 +74,19 @@ class Leg:
     prefill_tokens: int = 0  # tokens it prefills, counted in its worker's queue until it outputs
     backlog: int = 0  # Outputs on `queue` not read yet
     reads_from: str = ""  # a decode leg: the prefill worker whose KV it reads (its first output)
+    # A leg in its worker's prefill line (prefill_tokens > 0): when its wait began (loop time),
+    # as sent, and again whenever a prefill sent before it there is done (Pool.line_moved).
+    waits_since: float = 0.0
+
+
+def line_moved(line: dict[str, Leg], done: Leg, now: float) -> None:
+    """`done`'s prefill came out of its worker's `line` at `now`: the legs sent after it are
+    a place further on, and their wait for the prefill timeout starts again."""
+    behind = False
+    for leg in line.values():
+        if behind:
+            leg.waits_since = max(leg.waits_since, now)
+        behind = behind or leg is done
 
 
 class Pool:
@@ -103,6 +116,9 @@ class Pool:
         self._kv_wanted = kv_index
         self._replay_asked: dict[str, float] = {}  # worker id -> when a replay was asked
         self._to_tell: dict[str, Worker] = {}  # decode workers whose `reserved` changed
+        # Per worker, its legs still prefilling, in the order sent: a line its engine works
+        # through about first come, first served (vLLM's scheduler).
+        self._lines: dict[str, dict[str, Leg]] = {}
 
     def snapshot(self) -> list[dict]:
         """The workers as /pd/workers shows them: the registry's entries, each with what the KV
@@ -146,8 +162,11 @@ class Pool:
     def send(self, worker: Worker, msg: protocol.Generate, prefill_tokens: int = 0) -> Leg:
         """Start a leg; raises WorkerLost at once if the worker cannot be reached.
         `prefill_tokens`: the prompt tokens it prefills (a prefill or local leg)."""
-        leg = Leg(msg.request_id, worker, asyncio.Queue(), prefill_tokens=prefill_tokens)
+        leg = Leg(msg.request_id, worker, asyncio.Queue(), prefill_tokens=prefill_tokens,
+                  waits_since=asyncio.get_running_loop().time())
         self.legs[leg.id] = leg
+        if prefill_tokens:
+            self._lines.setdefault(worker.id, {})[leg.id] = leg
         worker.inflight += 1
         worker.queued_prefill_tokens += prefill_tokens
         worker.legs_total += 1
@@ -183,13 +202,19 @@ class Pool:
             self._prefilled(leg)
             self.legs.pop(leg.id, None)
 
-    @staticmethod
-    def _prefilled(leg: Leg) -> None:
-        """The leg's prefill is done (its first output came) or will not be: out of the queue."""
+    def _prefilled(self, leg: Leg, done: bool = False) -> None:
+        """The leg's prefill is `done` (its first output came) or will not be: out of the
+        queue. A prefill done moves the line: the legs sent after it wait from now."""
         if leg.prefill_tokens:
             w = leg.worker
             w.queued_prefill_tokens = max(0, w.queued_prefill_tokens - leg.prefill_tokens)
             leg.prefill_tokens = 0
+            line = self._lines.get(w.id, {})
+            if done:
+                line_moved(line, leg, asyncio.get_running_loop().time())
+            line.pop(leg.id, None)
+            if not line:
+                self._lines.pop(w.id, None)
 
     def abort(self, leg: Leg) -> None:
         """Tell the worker to drop the leg (best effort) and stop tracking it."""
@@ -407,7 +432,7 @@ class Pool:
         leg = self.legs.get(msg.request_id)
         if leg is not None and leg.worker.identity == identity:
             leg.outputs += msg.error is None
-            self._prefilled(leg)
+            self._prefilled(leg, done=msg.error is None)
             leg.backlog += 1
             leg.queue.put_nowait(msg)
             if msg.finished:

@@ -616,6 +616,8 @@ class Sequence:
             while True:
                 item = leg.queue.get_nowait() if not leg.queue.empty() else await leg.queue.get()
                 if item is _CHECK:
+                    if leg.prefill_tokens:  # still in its worker's prefill line: the line
+                        deadline = max(deadline, leg.waits_since + timeout)  # moved since
                     if loop.time() < deadline:
                         watchdog = loop.call_at(deadline, leg.queue.put_nowait, _CHECK)
                         continue

@@ -151,7 +151,10 @@ def add_pd_args(parser) -> None:
                         "Retry-After. 0: no line. With --max-inflight this bounds the "
                         "controller's memory at any load. vLLM's --max-num-queued-reqs, if "
                         "set, caps running + waiting as well")
-    g.add_argument("--prefill-timeout", type=float, default=300.0)
+    g.add_argument("--prefill-timeout", type=float, default=300.0,
+                   help="seconds a prefill waits for its result, counted from when it was sent "
+                        "or from the last prefill sent before it to the same worker that came "
+                        "out (a long line on a busy worker is not a timeout)")
     g.add_argument("--token-timeout", type=float, default=60.0,
                    help="seconds allowed for the KV handoff + first decode token, and between "
                         "later tokens")

@@ -40,6 +40,12 @@ def final_tokens(outs, kind: RequestOutputKind = RequestOutputKind.DELTA,
     return list(seqs[-1].token_ids)
 
 
+def retries(cluster, kind: str) -> float:
+    """pdserve_retries_total of one kind ("prefill_retry", "migration") so far."""
+    return cluster.controller.metrics.registry.get_sample_value(
+        "pdserve_retries_total", {"kind": kind}) or 0.0
+
+
 async def wait_until(pred: Callable[[], bool], timeout: float = 5.0, what: str = "") -> None:
     deadline = time.monotonic() + timeout
     while not pred():

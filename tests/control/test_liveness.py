@@ -11,7 +11,7 @@ from collections.abc import Callable
 import msgspec
 import pytest
 
-from fakepool import fast_settings, final_tokens, greedy, wait_until
+from fakepool import fast_settings, final_tokens, greedy, retries, wait_until
 
 from pdserve import fake, protocol
 from pdserve.worker import worker as worker_mod
@@ -21,8 +21,7 @@ PROMPT = list(range(600, 640))
 
 
 def migrations(c) -> float:
-    return c.controller.metrics.registry.get_sample_value(
-        "pdserve_retries_total", {"kind": "migration"}) or 0.0
+    return retries(c, "migration")
 
 
 def state(c, wid: str) -> str:
@@ -318,8 +317,7 @@ async def test_a_frozen_lone_prefill_worker_is_a_missing_one_its_prefill_moves(m
     assert final_tokens(second) == fake.reference(PROMPT[::-1], greedy(8)).token_ids
     assert final_tokens(await first) == fake.reference(PROMPT, greedy(8)).token_ids
     assert state(c, p.worker_id) == "stalled" and len(d.engine.served) == 2
-    assert c.controller.metrics.registry.get_sample_value(
-        "pdserve_retries_total", {"kind": "prefill_retry"}) == 1
+    assert retries(c, "prefill_retry") == 1
     thaw()
     await wait_until(lambda: c.is_ready(p.worker_id), 5, "p ready again")
     outs = await c.run(PROMPT + [1], greedy(8))  # disaggregated again

@@ -7,7 +7,7 @@ from http import HTTPStatus
 
 import pytest
 import zmq
-from fakepool import fast_settings, final_tokens, greedy, wait_until
+from fakepool import fast_settings, final_tokens, greedy, retries, wait_until
 from vllm.exceptions import GracefulHTTPError
 from vllm.sampling_params import StructuredOutputsParams
 
@@ -17,11 +17,6 @@ from pdserve.worker.engine import FORCED_TOKENS_ARG
 from pdserve.worker.worker import PDWorker
 
 PROMPT = list(range(400, 450))
-
-
-def retries(cluster, kind: str) -> float:
-    return cluster.controller.metrics.registry.get_sample_value(
-        "pdserve_retries_total", {"kind": kind}) or 0.0
 
 
 async def test_prefill_error_before_handoff_is_retried_on_another_worker(cluster):
