@@ -25,13 +25,13 @@ def test_a_prefill_done_restarts_the_wait_of_the_legs_sent_after_it_only():
 
 
 async def test_prefills_waiting_in_a_moving_line_are_not_timed_out(make_cluster):
-    # Five prompts at once on an engine that prefills one at a time, 0.25 s each: the last
-    # waits ~1.25 s in all, more than --prefill-timeout, but never 0.5 s without a prefill
-    # ahead of it coming out. A retry would lose its place in the line for nothing.
-    c = await make_cluster(settings=fast_settings(prefill_timeout=0.5))
+    # Six prompts at once on an engine that prefills one at a time, 0.25 s each: the last
+    # waits 1.5 s or more in all, longer than --prefill-timeout, but never 1 s without a
+    # prefill ahead of it coming out. A retry would lose its place in the line for nothing.
+    c = await make_cluster(settings=fast_settings(prefill_timeout=1.0))
     await c.add("prefill", prefill_in_turn=True, prefill_delay_per_token=0.005)
     await c.add("decode")
-    prompts = [list(range(100 * i, 100 * i + 50)) for i in range(1, 6)]
+    prompts = [list(range(100 * i, 100 * i + 50)) for i in range(1, 7)]
     outs = await asyncio.gather(*(c.run(p, greedy(4)) for p in prompts))
     for p, out in zip(prompts, outs):
         assert final_tokens(out) == fake.reference(p, greedy(4)).token_ids
