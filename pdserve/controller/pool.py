@@ -75,7 +75,7 @@ class Leg:
     backlog: int = 0  # Outputs on `queue` not read yet
     reads_from: str = ""  # a decode leg: the prefill worker whose KV it reads (its first output)
     # A leg in its worker's prefill line (prefill_tokens > 0): when its wait began (loop time),
-    # as sent, and again whenever a prefill sent before it there is done (Pool.line_moved).
+    # as sent, and again whenever a prefill sent before it there is done (line_moved).
     waits_since: float = 0.0
 
 
