@@ -110,6 +110,19 @@ def test_only_a_step_without_a_model_waits(monkeypatch, attn_metadata, waits):
     assert c._wait_for_reads is waits
 
 
+# ---- a decode engine's agent has no progress thread: its reads move at each layer ---------
+
+@pytest.mark.parametrize("drives", [True, False])
+def test_reads_in_flight_move_at_each_attention_layer_without_a_progress_thread(drives):
+    nixl = FakeNixl({1: ["PROC", "PROC", "DONE"], 2: ["DONE"]})
+    c = connector({"a": [1], "b": [2]}, nixl)
+    c._drives_reads = drives
+    for layer in range(3):
+        c.wait_for_layer_load(f"model.layers.{layer}.self_attn.attn")
+    assert nixl.checks == (6 if drives else 0)  # each read checked at each layer
+    assert nixl.states[1] == (["DONE"] if drives else ["PROC", "PROC", "DONE"])
+
+
 # ---- an idle decode engine reads inside the step that computes the next position -----------
 
 def test_an_in_step_read_is_waited_for_and_its_landing_reported(clock):

@@ -8,14 +8,14 @@ vLLM 0.32's NIXL worker does two things that hurt a CPU-only host (measured in i
    VLLM_CPU_OMP_THREADS_BIND said.
 
 This subclass is loaded through vLLM's out-of-tree hook (``kv_connector_module_path``). On the
-CPU platform it builds the agent with a progress thread that sleeps between polls, puts the
-thread affinity back to what the engine had, posts each step's reads before its forward rather
-than after, and reads a prompt's KV into an idle decode engine inside the step that computes
-its next position. On any platform it is loaded on (pdserve loads it on CPU hosts; GPU hosts
-get vLLM's NixlConnector) it fails the engine's start when its side-channel port is taken
-(vLLM would wait for it for good), caps a decode read at what the prefill computed, reports
-what each read moved and frees, when its worker asks, the blocks of a prefill whose end never
-reached a controller.
+CPU platform it builds the agent with a progress thread that sleeps between polls (a decode
+engine's agent with none: its own thread moves its reads), puts the thread affinity back to what
+the engine had, posts each step's reads before its forward rather than after, and reads a
+prompt's KV into an idle decode engine inside the step that computes its next position. On any
+platform it is loaded on (pdserve loads it on CPU hosts; GPU hosts get vLLM's NixlConnector) it
+fails the engine's start when its side-channel port is taken (vLLM would wait for it for good),
+caps a decode read at what the prefill computed, reports what each read moved and frees, when
+its worker asks, the blocks of a prefill whose end never reached a controller.
 """
 
 from __future__ import annotations
@@ -56,9 +56,26 @@ CONNECTOR_NAME = "PDCpuNixlConnector"
 PROGRESS_DELAY_US = int(os.environ.get("PDSERVE_NIXL_PROGRESS_DELAY_US", "2000"))
 
 
+# A decode engine's agent has no progress thread: the engine's own thread moves its reads, while
+# it waits for an in-step read, at each attention layer of a step with reads in flight and at
+# each step's end. UCX over TCP has no remote read: the prefill engine sends the blocks back as
+# messages, and the reader must take them in. With a progress thread beside the engine's own
+# polling on the engine's core, reads stalled 2-6 ms at a time (a 1.5 MB read took 3.7 ms at
+# p50, 0.8 ms without the thread: docs/performance.md, "The read itself"). A prefill engine
+# keeps its thread: nothing else answers a read while it is idle. "1" gives a decode engine its
+# thread back.
+DECODE_PROGRESS_THREAD = os.environ.get("PDSERVE_NIXL_DECODE_THREAD", "0") == "1"
+
+
+def has_progress_thread(kv_role: str) -> bool:
+    """Whether the NIXL agent of an engine in this KV role gets a progress thread."""
+    return kv_role != "kv_consumer" or DECODE_PROGRESS_THREAD
+
+
 @contextlib.contextmanager
-def _sleepy_progress_thread() -> Iterator[None]:
-    """Make the NIXL agent built inside this block poll with PROGRESS_DELAY_US between rounds."""
+def cpu_agent(progress_thread: bool) -> Iterator[None]:
+    """Build the NIXL agent made inside this block with a progress thread polling every
+    PROGRESS_DELAY_US, or without one."""
     wrapper = base_worker.NixlWrapper
     api = sys.modules.get(getattr(wrapper, "__module__", ""), None)
     bind = getattr(api, "nixlBind", None)
@@ -69,6 +86,7 @@ def _sleepy_progress_thread() -> Iterator[None]:
 
     def make_agent(name, config):
         config.pthrDelay = PROGRESS_DELAY_US
+        config.useProgThread = progress_thread
         return original(name, config)
 
     bind.nixlAgent = make_agent
@@ -165,17 +183,20 @@ class PDCpuNixlConnector(NixlPullConnector):
         # the last step; worker side: the engine's requests freed in this step.
         self._releases: set[str] = set()
         self._released: set[str] = set()
+        self._drives_reads = False  # worker side: no progress thread, so reads move at each layer
         if role != KVConnectorRole.WORKER or not current_platform.is_cpu():
             super().__init__(vllm_config, role, kv_cache_config)
             return
         affinity = os.sched_getaffinity(0)
-        with _sleepy_progress_thread():
+        self._drives_reads = not has_progress_thread(vllm_config.kv_transfer_config.kv_role)
+        with cpu_agent(progress_thread=not self._drives_reads):
             super().__init__(vllm_config, role, kv_cache_config)
         if os.sched_getaffinity(0) != affinity:
             os.sched_setaffinity(0, affinity)
         logger.info(
-            "pdserve CPU NIXL connector: progress thread polls every %d us, affinity kept at %s",
-            PROGRESS_DELAY_US, sorted(affinity),
+            "pdserve CPU NIXL connector: %s, affinity kept at %s",
+            "reads moved by the engine's thread, no progress thread" if self._drives_reads
+            else f"progress thread polls every {PROGRESS_DELAY_US} us", sorted(affinity),
         )
 
     # ---- the side channel (scheduler side) -------------------------------------------------
@@ -220,6 +241,16 @@ class PDCpuNixlConnector(NixlPullConnector):
             self._land(in_step, time.monotonic() + IN_STEP_TIMEOUT_S)
         if legs := getattr(self._connector_metadata, _RELEASE, None):
             self._release(legs)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Called before each attention layer of a step's forward: a decode engine without a
+        # progress thread takes in what its reads in flight have received so far.
+        if self._drives_reads:
+            self._progress_reads()
+
+    def _progress_reads(self) -> None:
+        for handles in list(self.connector_worker._recving_transfers.values()):
+            self._in_flight(handles)  # NIXL moves the agent's transfers as it checks one
 
     def _land(self, req_ids: set[str], deadline: float) -> None:
         """Wait until the reads of `req_ids` have landed or failed (vLLM reports a failure, and

@@ -1,0 +1,95 @@
+"""How the CPU connector builds a worker's NIXL agent (pdserve/kv/cpu_nixl.py) and the engine's
+UCX settings (pdserve/worker/engine.py): a decode engine's agent has no progress thread, a
+prefill engine's has one that sleeps between polls, and a read still lands with no thread when
+its reader checks it, as a decode engine does."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import types
+
+import numpy as np
+import pytest
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
+
+from pdserve.bench.nixl_read import PROMPTS, measure, nixl_agent
+from pdserve.kv import cpu_nixl
+from pdserve.worker.engine import EngineSettings, Role, engine_env
+
+
+@pytest.mark.parametrize("kv_role, thread", [("kv_consumer", False), ("kv_producer", True),
+                                             ("kv_both", True)])
+def test_only_a_decode_only_engine_goes_without_a_progress_thread(kv_role, thread):
+    assert cpu_nixl.has_progress_thread(kv_role) is thread
+
+
+def test_the_agent_built_in_the_block_gets_the_thread_setting_and_no_other(monkeypatch):
+    """The hook replaces NIXL's agent constructor inside the block only."""
+    built = []
+    api = types.ModuleType("fake_nixl_api")
+    api.nixlBind = types.SimpleNamespace(nixlAgent=lambda name, config: built.append(config))
+    monkeypatch.setitem(sys.modules, api.__name__, api)
+    monkeypatch.setattr(base_worker, "NixlWrapper", type("Wrapper", (), {"__module__": api.__name__}))
+    original = api.nixlBind.nixlAgent
+    for thread in (False, True):
+        with cpu_nixl.cpu_agent(progress_thread=thread):
+            api.nixlBind.nixlAgent("agent", config := types.SimpleNamespace(pthrDelay=0,
+                                                                            useProgThread=True))
+        assert config.useProgThread is thread
+        assert config.pthrDelay == cpu_nixl.PROGRESS_DELAY_US
+        assert api.nixlBind.nixlAgent is original
+    assert len(built) == 2
+
+
+def test_a_cpu_engine_sends_a_read_in_32_kb_messages_unless_told(monkeypatch):
+    s = EngineSettings(role=Role.PREFILL)
+    monkeypatch.delenv("UCX_TCP_TX_SEG_SIZE", raising=False)
+    assert engine_env(s, cpu=True)["UCX_TCP_TX_SEG_SIZE"] == "32k"
+    assert "UCX_TCP_TX_SEG_SIZE" not in engine_env(s, cpu=False)
+    monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", "8k")  # the user's own, which the engine inherits
+    assert "UCX_TCP_TX_SEG_SIZE" not in engine_env(s, cpu=True)
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_a_read_lands_without_a_progress_thread_when_its_reader_checks_it(monkeypatch):
+    """Real NIXL over loopback TCP, both agents in this process: the prefill side's agent with
+    its thread, the decode side's without one, reading 1 MB in four blocks."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    holder = nixl_agent("holder", progress_thread=True)  # and UCX's first-agent threads
+    before = _threads()
+    threaded = nixl_agent("threaded", progress_thread=True)
+    with_thread = _threads() - before
+    reader = nixl_agent("reader", progress_thread=False)
+    assert _threads() - before - with_thread == with_thread - 1  # all but the progress thread
+    del threaded
+    size, blocks = 1 << 20, 4
+    src = np.arange(size, dtype=np.uint8)
+    dst = np.zeros(size, dtype=np.uint8)
+    holder.register_memory([(src.ctypes.data, size, 0, "")], "DRAM")
+    reader.register_memory([(dst.ctypes.data, size, 0, "")], "DRAM")
+    peer = reader.add_remote_agent(holder.get_agent_metadata())
+    step = size // blocks
+    local = reader.get_xfer_descs([(dst.ctypes.data + i * step, step, 0) for i in range(blocks)],
+                                  "DRAM")
+    remote = reader.get_xfer_descs([(src.ctypes.data + i * step, step, 0) for i in range(blocks)],
+                                   "DRAM")
+    handle = reader.initialize_xfer("READ", local, remote, peer)
+    assert reader.transfer(handle) in ("PROC", "DONE")
+    deadline = time.monotonic() + 10
+    while (state := reader.check_xfer_state(handle)) == "PROC" and time.monotonic() < deadline:
+        time.sleep(50e-6)
+    assert state == "DONE"
+    assert np.array_equal(dst, src)
+    reader.release_xfer_handle(handle)
+
+
+def test_the_read_benchmark_times_each_size():
+    took = measure(thread=False, seg="32k", reads=2)
+    assert sorted(took) == sorted(PROMPTS)
+    assert all(len(t) == 2 and all(s > 0 for s in t) for t in took.values())
