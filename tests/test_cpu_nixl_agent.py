@@ -31,7 +31,8 @@ def test_the_agent_built_in_the_block_gets_the_thread_setting_and_no_other(monke
     api = types.ModuleType("fake_nixl_api")
     api.nixlBind = types.SimpleNamespace(nixlAgent=lambda name, config: built.append(config))
     monkeypatch.setitem(sys.modules, api.__name__, api)
-    monkeypatch.setattr(base_worker, "NixlWrapper", type("Wrapper", (), {"__module__": api.__name__}))
+    wrapper = type("Wrapper", (), {"__module__": api.__name__})  # as NIXL's class names its module
+    monkeypatch.setattr(base_worker, "NixlWrapper", wrapper)
     original = api.nixlBind.nixlAgent
     for thread in (False, True):
         with cpu_nixl.cpu_agent(progress_thread=thread):
