@@ -479,3 +479,14 @@ def test_handoff_systems_take_turns_with_the_same_prompts(tmp_path, monkeypatch)
     assert pd["ok"] == 10 and res["vllm"][300]["ok"] == 10
     assert pd["itl_x_vllm_per_turn"] == [1.1] * 4
     assert handoff.per_turn(pd) == "1.10 (1.10-1.10)"
+
+
+def test_a_bench_childs_temporary_files_go_to_the_runs_folder(tmp_path: Path) -> None:
+    """vLLM's server makes a `vllm_dist_*` file where tempfile points, and leaves it there."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", "import tempfile; print(tempfile.gettempdir())"],
+                         env=cluster.bench_env(tmp_path), capture_output=True, text=True,
+                         check=True, timeout=60)
+    assert out.stdout.strip() == str(tmp_path)

@@ -574,7 +574,7 @@ class Pool:
         keygen(self.keys)
         self.port, self.wport = free_port(), free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        self.env = cluster.bench_env(tmp) | {"TMPDIR": str(tmp)}
+        self.env = cluster.bench_env(tmp)
         self.serve: launcher.Child | None = None
         self.extra: launcher.Child | None = None
         self.leaving: list[launcher.Child] = []  # drained or killed, until stopped
