@@ -60,8 +60,8 @@ PROGRESS_DELAY_US = int(os.environ.get("PDSERVE_NIXL_PROGRESS_DELAY_US", "2000")
 # it waits for an in-step read, at each attention layer of a step with reads in flight and at
 # each step's end. UCX over TCP has no remote read: the prefill engine sends the blocks back as
 # messages, and the reader must take them in. With a progress thread beside the engine's own
-# polling on the engine's core, reads stalled 2-6 ms at a time (a 1.5 MB read took 3.7 ms at
-# p50, 0.8 ms without the thread: docs/performance.md, "The read itself"). A prefill engine
+# polling on the engine's core, reads stalled 2-6 ms at a time (a 1.5 MB read took 3.2 ms at
+# p50, 1.35 ms without the thread: docs/performance.md, "The read itself"). A prefill engine
 # keeps its thread: nothing else answers a read while it is idle. "1" gives a decode engine its
 # thread back.
 DECODE_PROGRESS_THREAD = os.environ.get("PDSERVE_NIXL_DECODE_THREAD", "0") == "1"
