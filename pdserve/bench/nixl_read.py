@@ -23,7 +23,7 @@ import numpy as np
 
 PROMPTS = {100: 1, 300: 3, 1000: 8, 2000: 16}  # prompt tokens -> 128-token blocks
 LAYERS, BLOCK_BYTES = 4, 128 * 1024
-POLL_S = 50e-6  # the CPU connector's poll while a read it waits for lands (cpu_nixl._POLL_S)
+SPAN = 2 * LAYERS * BLOCK_BYTES * max(PROMPTS.values())  # each side's memory: runs apart (_runs)
 GAP_S = 0.01  # between reads, as between handoffs
 WAYS = [  # (name, the reader's progress thread, UCX_TCP_TX_SEG_SIZE)
     ("thread, 8 KB (before)", True, "8k"),
@@ -50,11 +50,11 @@ def _enter(core: int, seg: str) -> None:
         os.sched_setaffinity(0, {core})
 
 
-def _hold(conn: Connection, core: int, seg: str, size: int) -> None:
+def _hold(conn: Connection, core: int, seg: str) -> None:
     _enter(core, seg)
     agent = nixl_agent("holder", progress_thread=True)
-    blocks: np.ndarray = np.ones(size, dtype=np.uint8)
-    agent.register_memory([(blocks.ctypes.data, size, 0, "")], "DRAM")
+    blocks: np.ndarray = np.ones(SPAN, dtype=np.uint8)
+    agent.register_memory([(blocks.ctypes.data, SPAN, 0, "")], "DRAM")
     conn.send((agent.get_agent_metadata(), blocks.ctypes.data))
     conn.recv()  # until the reader is done
 
@@ -66,11 +66,12 @@ def _runs(base: int, total: int) -> list[tuple[int, int, int]]:
 
 
 def _read(conn: Connection, core: int, seg: str, thread: bool, reads: int) -> None:
+    from pdserve.kv.cpu_nixl import _POLL_S  # as the connector checks a read it waits for
+
     _enter(core, seg)
     agent = nixl_agent("reader", progress_thread=thread)
-    size = 2 * LAYERS * BLOCK_BYTES * max(PROMPTS.values())
-    local: np.ndarray = np.zeros(size, dtype=np.uint8)
-    agent.register_memory([(local.ctypes.data, size, 0, "")], "DRAM")
+    local: np.ndarray = np.zeros(SPAN, dtype=np.uint8)
+    agent.register_memory([(local.ctypes.data, SPAN, 0, "")], "DRAM")
     metadata, remote_base = conn.recv()
     peer = agent.add_remote_agent(metadata)
     out = {}
@@ -84,7 +85,7 @@ def _read(conn: Connection, core: int, seg: str, thread: bool, reads: int) -> No
             start = time.perf_counter()
             agent.transfer(handle)
             while (state := agent.check_xfer_state(handle)) == "PROC":
-                time.sleep(POLL_S)
+                time.sleep(_POLL_S)
             took.append(time.perf_counter() - start)
             agent.release_xfer_handle(handle)
             if state != "DONE":
@@ -96,10 +97,9 @@ def _read(conn: Connection, core: int, seg: str, thread: bool, reads: int) -> No
 
 def measure(thread: bool, seg: str, reads: int) -> dict[int, list[float]]:
     ctx = mp.get_context("spawn")
-    size = 2 * LAYERS * BLOCK_BYTES * max(PROMPTS.values())
     hold_end, hold_here = ctx.Pipe()
     read_end, read_here = ctx.Pipe()
-    holder = ctx.Process(target=_hold, args=(hold_end, 0, seg, size), daemon=True)
+    holder = ctx.Process(target=_hold, args=(hold_end, 0, seg), daemon=True)
     reader = ctx.Process(target=_read, args=(read_end, 1, seg, thread, reads), daemon=True)
     holder.start()
     reader.start()
