@@ -617,9 +617,9 @@ class PDWorker:
         link = self.links[i]
         goes_on = (msg.continues is not None  # see Generate
                    and self.handing.pop((i, msg.continues), None) is not None)
-        if (self.draining and not goes_on and msg.phase != Phase.RELEASE
-                or link.refused or link.retiring):
-            self._reply(i, Output(msg.request_id, [], finished=True, error="worker is draining",
+        refusal = self._refusal(link, goes_on, msg.phase)
+        if refusal:
+            self._reply(i, Output(msg.request_id, [], finished=True, error=refusal,
                                   error_kind=ErrorKind.DRAINING))
             return
         if key in self.tasks:
@@ -633,6 +633,19 @@ class PDWorker:
             self.prefilling.add(key)
         task.add_done_callback(lambda _t: self._ended(key))
         self._others_changed()
+
+    def _refusal(self, link: _Link, goes_on: bool, phase: Phase) -> str:
+        """Why a leg from `link` is not run here ("" if it is). One that arrives before this
+        worker's registration was acknowledged was meant for an earlier worker of the same id
+        (its connection was taken over): the controller fails it when the Register lands, and
+        running it would only cost the engine."""
+        if not link.registered:
+            return "worker is not registered with this controller yet"
+        if link.refused or link.retiring:
+            return "worker is draining"
+        if self.draining and not goes_on and phase != Phase.RELEASE:
+            return "worker is draining"
+        return ""
 
     def _hand(self, key: tuple[int, str]) -> None:
         self._handing()  # the oldest forgotten first: the dict stays bounded

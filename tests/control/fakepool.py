@@ -111,9 +111,15 @@ class Cluster:
     async def add(self, role: str, n: int = 1, **kw) -> list[PDWorker]:
         """Start n workers of a role and wait until this controller has them ready."""
         new = [self.start(role, **kw) for _ in range(n)]
-        await wait_until(lambda: all(self.is_ready(w.worker_id) for w in new), 10,
+        await wait_until(lambda: all(self.has(w) for w in new), 10,
                          f"{n} {role} workers to register")
         return new
+
+    def has(self, w: PDWorker) -> bool:
+        """This controller has worker `w` ready: its own registration, not an earlier worker's
+        entry under the same id."""
+        return self.is_ready(w.worker_id) and any(
+            link.registered and link.url == self.address for link in w.links.values())
 
     def is_ready(self, worker_id: str) -> bool:
         w = self.pool.registry.workers.get(worker_id)

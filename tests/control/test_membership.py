@@ -7,7 +7,9 @@ from collections import Counter
 
 from fakepool import HEARTBEAT, MISSED, fast_settings, final_tokens, greedy, wait_until
 
-from pdserve import fake
+import zmq
+
+from pdserve import fake, protocol, transport
 from pdserve.protocol import Role
 
 PROMPT = list(range(200, 236))
@@ -111,6 +113,44 @@ async def test_worker_with_the_same_id_replaces_its_stale_entry(cluster):
     outs = await cluster.run(PROMPT, greedy(4))
     assert final_tokens(outs) == fake.reference(PROMPT, greedy(4)).token_ids
     assert len(new.engine.served) == 1 and old.engine.served == []
+
+
+async def test_a_leg_sent_to_a_restarted_worker_before_it_registers_is_not_run(cluster):
+    # The restarted worker's connection takes over the id before the controller has read its
+    # Register: a leg sent meanwhile reaches it, though meant for the one it replaced.
+    await cluster.add("prefill")
+    await cluster.add("decode", worker_id="decode-x")
+    await cluster.kill("decode-x")
+    new = cluster.start("decode", worker_id="decode-x")
+    link = next(iter(new.links.values()))
+    send, on_generate, registering = link.send, new._on_generate, asyncio.Event()
+
+    def held(msg):  # its Register waits for the first leg
+        if not isinstance(msg, protocol.Register) or registering.is_set():
+            send(msg)
+
+    def first_leg(i, msg):
+        on_generate(i, msg)
+        if not registering.is_set():
+            registering.set()
+            send(new._register_msg(link))
+
+    link.send, new._on_generate = held, first_leg  # type: ignore[method-assign]
+    await wait_until(lambda: _reaches(cluster, b"decode-x"), what="the new connection")
+    outs = await cluster.run(PROMPT, greedy(4))
+    assert registering.is_set()  # the first leg did reach it unregistered
+    assert final_tokens(outs) == fake.reference(PROMPT, greedy(4)).token_ids
+    assert len(new.engine.served) == 1  # only the leg sent after its registration ran
+    await cluster.assert_clean()
+
+
+def _reaches(cluster, identity: bytes) -> bool:
+    """A send to `identity` goes through: a connection of that id is up."""
+    try:
+        transport.send_nowait(cluster.pool.sock, protocol.Ping("test"), to=identity)
+    except zmq.ZMQError:
+        return False
+    return True
 
 
 async def test_a_register_resent_mid_stream_leaves_the_stream_where_it_is(cluster):
