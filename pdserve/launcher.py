@@ -239,7 +239,9 @@ def serve(args) -> int:
     if keys is None and not args.no_keys:
         keys = os.path.join(tmp, "keys")
         keygen(keys)
-    env = dict(os.environ)
+    # The children's temporary files (vLLM's sockets and file store, the KV-event sockets) in
+    # this run's folder: what a killed child leaves goes with the folder.
+    env = dict(os.environ, TMPDIR=tmp)
     env.setdefault("VLLM_RPC_BASE_PATH", tmp)
     env[SERVE_PID_ENV] = str(os.getpid())
 

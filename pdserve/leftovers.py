@@ -8,9 +8,10 @@ notes the files each child's processes use while they run, and once the child ha
 none of those processes is left, removes those of its files that no process uses any more.
 
 The temporary folder gets its own: a `pdserve serve` killed with SIGKILL leaves its folder
-(keys, vLLM's sockets), and a worker killed with its engine core the engine's KV-event sockets;
-each is named by the pid of the process that made it, and removed by the next `pdserve serve`
-once that process is gone (`stale_temp`).
+(keys, and its children's temporary files, which it keeps there), and a worker started on its
+own and killed with its engine core the engine's KV-event sockets; each is named by the pid of
+the process that made it, and removed by the next `pdserve serve` once that process is gone
+(`stale_temp`).
 """
 
 from __future__ import annotations

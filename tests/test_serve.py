@@ -17,6 +17,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
+
 import pytest
 from procs import Proc, children, free_port, thread_cpus, wait_for
 
@@ -56,10 +58,11 @@ import sys
 from pdserve import launcher
 
 launcher.worker_command = lambda *_: [sys.executable, "-c", '''
-import multiprocessing, os, signal, time
+import multiprocessing, os, signal, tempfile, time
 time.sleep(1)
 lock = multiprocessing.get_context("spawn").Lock()
 print("semaphore", lock._semlock.name, flush=True)
+print("tempfile", tempfile.mkstemp(prefix="vllm_dist_")[1], flush=True)  # vLLM's file store
 time.sleep(4)
 os.killpg(0, signal.SIGKILL)
 ''']
@@ -285,20 +288,24 @@ def test_a_child_that_exits_during_start_up_ends_serve_with_its_log(tmp_path) ->
     assert "no such flag: --frobnicate" in proc.stderr  # the end of its log
 
 
-def test_a_worker_killed_while_it_starts_leaves_nothing_in_dev_shm(tmp_path) -> None:
+def test_a_worker_killed_while_it_starts_leaves_nothing_behind(tmp_path) -> None:
     """kill -9 of a starting worker's group (a stuck start, say) ends serve, as any exit during
-    start-up does; the semaphore it made is removed, with nothing else left to do it."""
+    start-up does; the semaphore and the temporary file it made are removed, with nothing else
+    left to do it."""
     proc = serve_to_the_end(tmp_path / "run", KILLED_STARTING_WORKERS)
     assert proc.returncode == 1, proc.stderr
     assert "exited with code -9 during start-up" in proc.stderr
-    made = [line.split()[1].lstrip("/") for log in (tmp_path / "run").glob("*-1.log")
-            for line in log.read_text().splitlines() if line.startswith("semaphore ")]
-    assert made  # at least the worker that was killed made one
+    made = {kind: [line.split()[1] for log in (tmp_path / "run").glob("*-1.log")
+                   for line in log.read_text().splitlines() if line.startswith(kind + " ")]
+            for kind in ("semaphore", "tempfile")}
+    sems = [SHM / f"sem.{m.lstrip('/')}" for m in made["semaphore"]]
+    files = [Path(f) for f in made["tempfile"]]
+    assert sems and files  # at least the worker that was killed made them
     try:
-        assert [m for m in made if (SHM / f"sem.{m}").exists()] == []
+        assert [f for f in sems + files if f.exists()] == []
     finally:
-        for m in made:
-            (SHM / f"sem.{m}").unlink(missing_ok=True)
+        for f in sems + files:
+            f.unlink(missing_ok=True)
 
 
 def test_a_taken_port_fails_at_once_saying_what_to_change(tmp_path) -> None:
