@@ -36,7 +36,7 @@ from typing import TextIO
 
 from pdserve import preflight
 from pdserve.cli import SERVE_PID_ENV
-from pdserve.leftovers import Leftovers, stale_temp
+from pdserve.leftovers import Leftovers, stale_temp, temp_env
 from pdserve.models import BUILTIN_MODEL_NAME, cache_dir, default_model_dir, resolve_model
 from pdserve.supervisor import Child, ChildExited, Supervisor, supervise
 
@@ -239,9 +239,7 @@ def serve(args) -> int:
     if keys is None and not args.no_keys:
         keys = os.path.join(tmp, "keys")
         keygen(keys)
-    # The children's temporary files (vLLM's sockets and file store, the KV-event sockets) in
-    # this run's folder: what a killed child leaves goes with the folder.
-    env = dict(os.environ, TMPDIR=tmp)
+    env = dict(os.environ, **temp_env(tmp))  # what a killed child leaves goes with the folder
     env.setdefault("VLLM_RPC_BASE_PATH", tmp)
     env[SERVE_PID_ENV] = str(os.getpid())
 

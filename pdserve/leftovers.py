@@ -17,6 +17,7 @@ the process that made it, and removed by the next `pdserve serve` once that proc
 from __future__ import annotations
 
 import contextlib
+import getpass
 import logging
 import os
 import re
@@ -166,3 +167,12 @@ def stale_temp(folder: Path | None = None, proc: Path = PROC) -> list[str]:
                 path.unlink()
             removed.append(path.name)
     return removed
+
+
+def temp_env(folder: str | Path) -> dict[str, str]:
+    """Environment for children whose temporary files go in `folder` and with it: vLLM's
+    sockets and file store, the KV-event sockets. Torch inductor's cache (~150 MB of C++
+    precompiled headers an engine builds as it starts) stays where every run shares it."""
+    inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
+        tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")  # its default
+    return {"TMPDIR": str(folder), "TORCHINDUCTOR_CACHE_DIR": inductor}

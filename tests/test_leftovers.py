@@ -16,7 +16,7 @@ import pytest
 from procs import gone
 
 from pdserve import procfs
-from pdserve.leftovers import Leftovers, stale_temp
+from pdserve.leftovers import Leftovers, stale_temp, temp_env
 from pdserve.procfs import SHM
 from pdserve.supervisor import Backoff, Child, Supervisor
 
@@ -322,3 +322,23 @@ def test_what_killed_processes_left_in_the_temporary_folder_goes_once_they_are_g
         f"pdserve-serve-{dead.pid}-abc", f"pdserve-kv-{dead.pid}", f"pdserve-kv-{dead.pid}-replay"])
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([
         f"pdserve-serve-{me}-def", f"pdserve-kv-{me}", "pdserve-kv-x", f"other-{dead.pid}"])
+
+
+def test_childrens_temporary_files_go_to_a_folder_but_torchs_compile_cache_stays_shared(
+        tmp_path, monkeypatch):
+    """A child's temporary files go with its run's folder; torch inductor's cache (an engine's
+    precompiled headers, ~150 MB) stays where every run finds it."""
+    where = ("import tempfile; from torch._inductor.runtime.cache_dir_utils import cache_dir; "
+             "print(tempfile.gettempdir()); print(cache_dir())")
+
+    def ask(env: dict[str, str]) -> list[str]:
+        return subprocess.run([sys.executable, "-c", where], env=env, capture_output=True,
+                              text=True, check=True, timeout=120).stdout.split()
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    env = dict(os.environ)
+    plain_temp, plain_cache = ask(env)
+    assert ask(dict(env, **temp_env(tmp_path))) == [str(tmp_path), plain_cache]
+    assert plain_temp != str(tmp_path)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))  # the user's choice
+    assert temp_env(tmp_path)["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")

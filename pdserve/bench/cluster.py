@@ -29,6 +29,7 @@ from typing import Self
 
 from pdserve import launcher
 from pdserve.bench.metrics import Slo
+from pdserve.leftovers import temp_env
 from pdserve.net import free_port, keep_idle_connections
 from pdserve.supervisor import Child, stop_children
 from pdserve.worker.engine import IN_ENGINE_CORE_EXECUTOR, is_cpu_host, parse_cores
@@ -128,7 +129,7 @@ def planner_args(slo: Slo, profile: str | None = None, extra: str = "") -> list[
 def bench_env(tmp: Path) -> dict[str, str]:
     """The environment of a bench's children: their temporary files in the run's own folder
     (vLLM's server left a `vllm_dist_*` file in the system's at every start)."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TMPDIR=str(tmp))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **temp_env(tmp))
     env.setdefault("VLLM_RPC_BASE_PATH", str(tmp))
     keep_idle_connections(env)  # vLLM's own servers too: the client keeps idle ones 60 s
     return env
