@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 
-from pdserve.bench.nixl_read import PROMPTS, measure, nixl_agent
+from pdserve.bench.nixl_read import PROMPTS, STALL_S, Read, measure, nixl_agent, stall_table
 from pdserve.kv import cpu_nixl
 from pdserve.worker.engine import EngineSettings, Role, engine_env
 
@@ -93,4 +93,22 @@ def test_a_read_lands_without_a_progress_thread_when_its_reader_checks_it(monkey
 def test_the_read_benchmark_times_each_size():
     took = measure(thread=False, seg="32k", reads=2)
     assert sorted(took) == sorted(PROMPTS)
-    assert all(len(t) == 2 and all(s > 0 for s in t) for t in took.values())
+    assert all(len(t) == 2 and all(r.seconds > 0 and r.checks >= 1 for r in t)
+               for t in took.values())
+
+
+def test_a_busy_reader_checks_once_per_layer_until_the_read_is_in():
+    layer = 0.002
+    took = measure(thread=False, seg="32k", reads=2, layer_s=layer)
+    assert sorted(took) == sorted(PROMPTS)
+    for reads in took.values():
+        for r in reads:  # each check came after a whole layer's compute
+            assert r.checks >= 1 and r.seconds >= r.checks * layer
+            assert 0 < r.checking < r.seconds
+
+
+def test_the_read_benchmark_counts_the_stalled_reads_and_the_longest():
+    reads = [Read(0.002, 1, 0.001), Read(STALL_S + 0.016, 3, 0.001), Read(0.004, 1, 0.001)]
+    rows = list(stall_table({"one way": {t: reads for t in PROMPTS}}))
+    assert rows[0] == "| prompt tokens | one way |"
+    assert rows[2:] == [f"| {t} | 1 (31.0) |" for t in PROMPTS]

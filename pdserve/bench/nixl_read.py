@@ -7,6 +7,11 @@ pdserve's 32 KB ones (UCX_TCP_TX_SEG_SIZE).
 
 `.venv/bin/python -m pdserve.bench.nixl_read` (~1-2 min; two cores). The sizes are the bench
 preset's reads: 4 layers of 128 KB blocks of 128 tokens, one contiguous run per layer.
+
+`--busy-layer-ms MS`: the reader as a busy decode engine without a progress thread moves its
+reads, computing MS between checks (one attention layer of a forward) and checking once at each
+(the connector's `wait_for_layer_load`): how many such points a read needs, and how long its
+checks take, which is the data being taken in (the read's CPU, paid inside the forward).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import multiprocessing as mp
 import os
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -25,6 +31,7 @@ PROMPTS = {100: 1, 300: 3, 1000: 8, 2000: 16}  # prompt tokens -> 128-token bloc
 LAYERS, BLOCK_BYTES = 4, 128 * 1024
 SPAN = 2 * LAYERS * BLOCK_BYTES * max(PROMPTS.values())  # each side's memory: runs apart (_runs)
 GAP_S = 0.01  # between reads, as between handoffs
+STALL_S = 0.015  # a read this long is stalled: 3-30 times its median at these sizes
 WAYS = [  # (name, the reader's progress thread, UCX_TCP_TX_SEG_SIZE)
     ("thread, 8 KB (before)", True, "8k"),
     ("no thread, 8 KB", False, "8k"),
@@ -65,9 +72,40 @@ def _runs(base: int, total: int) -> list[tuple[int, int, int]]:
     return [(base + i * 2 * run, run, 0) for i in range(LAYERS)]
 
 
-def _read(conn: Connection, core: int, seg: str, thread: bool, reads: int) -> None:
-    from pdserve.kv.cpu_nixl import _POLL_S  # as the connector checks a read it waits for
+@dataclass
+class Read:
+    seconds: float
+    checks: int  # the points at which it was checked (busy reader) or the checks (waiting)
+    checking: float  # seconds inside the checks
 
+
+def _move(agent: Any, handle: Any, layer_s: float | None) -> Read:
+    """Post a read and see it in. Waiting for it (`layer_s` None), as a decode engine waits for
+    an in-step read: a check every _POLL_S. Busy (`layer_s`), as a busy decode engine moves it:
+    a layer's compute, then one check (the connector's wait_for_layer_load)."""
+    from pdserve.kv.cpu_nixl import _POLL_S
+
+    start, checks, checking = time.perf_counter(), 0, 0.0
+    agent.transfer(handle)
+    while True:
+        if layer_s is not None:
+            until = time.perf_counter() + layer_s
+            while time.perf_counter() < until:  # the layer computes: the core is busy
+                pass
+        t = time.perf_counter()
+        state = agent.check_xfer_state(handle)
+        checks, checking = checks + 1, checking + time.perf_counter() - t
+        if state != "PROC":
+            break
+        if layer_s is None:
+            time.sleep(_POLL_S)
+    if state != "DONE":
+        raise RuntimeError(f"a read ended {state}")
+    return Read(time.perf_counter() - start, checks, checking)
+
+
+def _read(conn: Connection, core: int, seg: str, thread: bool, reads: int,
+          layer_s: float | None) -> None:
     _enter(core, seg)
     agent = nixl_agent("reader", progress_thread=thread)
     local: np.ndarray = np.zeros(SPAN, dtype=np.uint8)
@@ -82,25 +120,22 @@ def _read(conn: Connection, core: int, seg: str, thread: bool, reads: int) -> No
         took = []
         for i in range(reads + 3):  # the first reads set up the connection
             handle = agent.initialize_xfer("READ", mine, theirs, peer)
-            start = time.perf_counter()
-            agent.transfer(handle)
-            while (state := agent.check_xfer_state(handle)) == "PROC":
-                time.sleep(_POLL_S)
-            took.append(time.perf_counter() - start)
+            took.append(_move(agent, handle, layer_s))
             agent.release_xfer_handle(handle)
-            if state != "DONE":
-                raise RuntimeError(f"a read of {total} bytes ended {state}")
             time.sleep(GAP_S)
         out[tokens] = took[3:]
     conn.send(out)
 
 
-def measure(thread: bool, seg: str, reads: int) -> dict[int, list[float]]:
+def measure(thread: bool, seg: str, reads: int,
+            layer_s: float | None = None) -> dict[int, list[Read]]:
+    """Each size's reads; `layer_s`: the reader as a busy engine with layers that long."""
     ctx = mp.get_context("spawn")
     hold_end, hold_here = ctx.Pipe()
     read_end, read_here = ctx.Pipe()
     holder = ctx.Process(target=_hold, args=(hold_end, 0, seg), daemon=True)
-    reader = ctx.Process(target=_read, args=(read_end, 1, seg, thread, reads), daemon=True)
+    reader = ctx.Process(target=_read, args=(read_end, 1, seg, thread, reads, layer_s),
+                         daemon=True)
     holder.start()
     reader.start()
     try:
@@ -119,23 +154,58 @@ def _cells(times: list[float]) -> str:
     return f"{np.median(ms):.2f} ({np.percentile(ms, 90):.2f})"
 
 
-def table(results: dict[str, dict[int, list[float]]]) -> Iterator[str]:
+def table(results: dict[str, dict[int, list[Read]]]) -> Iterator[str]:
     yield "| prompt tokens | KB read | " + " | ".join(results) + " |"
     yield "|---" * (2 + len(results)) + "|"
     for tokens, blocks in PROMPTS.items():
-        cells = " | ".join(_cells(r[tokens]) for r in results.values())
+        cells = " | ".join(_cells([r.seconds for r in by[tokens]]) for by in results.values())
         yield f"| {tokens} | {blocks * LAYERS * BLOCK_BYTES // 1024} | {cells} |"
+
+
+def _stalls(reads: list[Read]) -> str:
+    """The reads that took over STALL_S, and the longest (ms)."""
+    over = sum(r.seconds > STALL_S for r in reads)
+    return f"{over} ({max(r.seconds for r in reads) * 1e3:.1f})"
+
+
+def stall_table(results: dict[str, dict[int, list[Read]]]) -> Iterator[str]:
+    yield "| prompt tokens | " + " | ".join(results) + " |"
+    yield "|---" * (1 + len(results)) + "|"
+    for tokens in PROMPTS:
+        yield f"| {tokens} | " + " | ".join(_stalls(by[tokens]) for by in results.values()) + " |"
+
+
+def busy_table(results: dict[int, list[Read]]) -> Iterator[str]:
+    yield ("| prompt tokens | KB read | read (ms) | layer points p50 / max | in its checks (ms) "
+           f"| over {STALL_S * 1e3:g} ms (longest) |")
+    yield "|---|---|---|---|---|---|"
+    for tokens, blocks in PROMPTS.items():
+        reads = results[tokens]
+        points = [r.checks for r in reads]
+        yield (f"| {tokens} | {blocks * LAYERS * BLOCK_BYTES // 1024} | "
+               f"{_cells([r.seconds for r in reads])} | {np.median(points):.0f} / {max(points)} | "
+               f"{_cells([r.checking for r in reads])} | {_stalls(reads)} |")
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m pdserve.bench.nixl_read", description=__doc__)
     p.add_argument("--reads", type=int, default=60, help="reads per size and way")
     p.add_argument("--rounds", type=int, default=1, help="each way this many times, in turn")
+    p.add_argument("--busy-layer-ms", type=float, default=None,
+                   help="the reader as a busy engine (pdserve's way): MS of compute per layer")
     args = p.parse_args(argv)
     for r in range(args.rounds):
+        if args.busy_layer_ms is not None:
+            busy = measure(False, "32k", args.reads, args.busy_layer_ms / 1e3)
+            print(f"\nround {r + 1}: a busy reader, {args.busy_layer_ms:g} ms per layer, "
+                  f"p50 (p90), {args.reads} reads each\n")
+            print("\n".join(busy_table(busy)), flush=True)
+            continue
         results = {name: measure(thread, seg, args.reads) for name, thread, seg in WAYS}
         print(f"\nround {r + 1}: read p50 (p90), ms, {args.reads} reads each\n")
         print("\n".join(table(results)), flush=True)
+        print(f"\nreads over {STALL_S * 1e3:g} ms (the longest, ms)\n")
+        print("\n".join(stall_table(results)), flush=True)
 
 
 if __name__ == "__main__":
