@@ -635,15 +635,19 @@ class PDWorker:
         self._others_changed()
 
     def _refusal(self, link: _Link, goes_on: bool, phase: Phase) -> str:
-        """Why a leg from `link` is not run here ("" if it is). One that arrives before this
-        worker's registration was acknowledged was meant for an earlier worker of the same id
-        (its connection was taken over): the controller fails it when the Register lands, and
+        """Why a leg from `link` is not run here ("" if it is). A release is run whenever the
+        link serves: any decode worker can have a prefill engine free blocks, and the
+        controller expects no answer to it. Another leg that arrives before this worker's
+        registration was acknowledged was meant for an earlier worker of the same id (its
+        connection was taken over): the controller fails it when the Register lands, and
         running it would only cost the engine."""
-        if not link.registered:
-            return "worker is not registered with this controller yet"
         if link.refused or link.retiring:
             return "worker is draining"
-        if self.draining and not goes_on and phase != Phase.RELEASE:
+        if phase == Phase.RELEASE:
+            return ""
+        if not link.registered:
+            return "worker is not registered with this controller yet"
+        if self.draining and not goes_on:
             return "worker is draining"
         return ""
 
