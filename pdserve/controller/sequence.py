@@ -554,10 +554,10 @@ class Sequence:
                                            skip=forced, held=held, handed=prefill):
                     yield
                 return
-            except LegRefused:  # draining: the KV is still where it was, for another
+            except LegRefused:  # refused before it ran: the KV is still where it was
+                self.pending_kv = (kv, p)  # for another decode worker, or run() releases it
                 if d in self.pool.registry.ready(Role.DECODE):  # (so that this ends)
                     raise
-                self.pending_kv = (kv, p)
             except (WorkerLost, WorkerFailed, StepTimeout):
                 if not leg.outputs:  # it failed before pulling the KV (a dead engine): free it
                     self.pool.release_kv(kv, self._leg_id("r"), exclude=d.id)

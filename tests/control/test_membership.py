@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 
-from fakepool import HEARTBEAT, MISSED, fast_settings, final_tokens, greedy, wait_until
-
 import zmq
+from fakepool import HEARTBEAT, MISSED, fast_settings, final_tokens, greedy, wait_until
 
 from pdserve import fake, protocol, transport
 from pdserve.protocol import Role
@@ -58,6 +58,20 @@ async def test_draining_worker_finishes_its_streams_and_gets_nothing_new(cluster
     await wait_until(lambda: d1.worker_id not in cluster.pool.registry.workers,
                      what="d1 unregistered")
     await cluster.assert_clean()
+
+
+async def test_a_leg_refused_by_a_worker_still_ready_frees_the_kv_it_did_not_read(make_cluster):
+    # d1 began draining as its leg was sent: the beat saying so is not in yet (beats 1 s apart),
+    # so the controller still has it ready. The prefill's KV, unread, must not stay held.
+    c = await make_cluster(heartbeat=1.0, settings=fast_settings(decode_policy="round_robin"))
+    await c.add("prefill")
+    d1, d2 = await c.add("decode", 2)
+    d1.draining = True
+    for i in range(2):  # one of the two goes to d1 first
+        outs = await c.run(PROMPT + [i], greedy(4))
+        assert final_tokens(outs) == fake.reference(PROMPT + [i], greedy(4)).token_ids
+    assert d1.engine.served == [] and len(d2.engine.served) == 2
+    await c.assert_clean()
 
 
 async def test_dead_worker_is_expired_and_gets_no_request(cluster):
@@ -118,25 +132,31 @@ async def test_worker_with_the_same_id_replaces_its_stale_entry(cluster):
 async def test_a_leg_sent_to_a_restarted_worker_before_it_registers_is_not_run(cluster):
     # The restarted worker's connection takes over the id before the controller has read its
     # Register: a leg sent meanwhile reaches it, though meant for the one it replaced.
-    await cluster.add("prefill")
+    p, = await cluster.add("prefill")
     await cluster.add("decode", worker_id="decode-x")
     await cluster.kill("decode-x")
     new = cluster.start("decode", worker_id="decode-x")
     link = next(iter(new.links.values()))
     send, on_generate, registering = link.send, new._on_generate, asyncio.Event()
 
-    def held(msg):  # its Register waits for the first leg
+    def held(msg):  # its Register waits for the first leg (not a release)
         if not isinstance(msg, protocol.Register) or registering.is_set():
             send(msg)
 
     def first_leg(i, msg):
         on_generate(i, msg)
-        if not registering.is_set():
+        if msg.phase != protocol.Phase.RELEASE and not registering.is_set():
             registering.set()
             send(new._register_msg(link))
 
     link.send, new._on_generate = held, first_leg  # type: ignore[method-assign]
     await wait_until(lambda: _reaches(cluster, b"decode-x"), what="the new connection")
+    # A release is run all the same: any decode worker can have a prefill engine free blocks.
+    p.engine._held["held-1"] = fake._Hold(PROMPT, 3, time.monotonic() + 60)
+    cluster.pool.release_kv({"remote_engine_id": p.engine.engine_id,
+                             "remote_request_id": "held-1"}, "release-1")
+    await wait_until(lambda: p.engine.held_blocks() == 0, what="the release")
+    assert not registering.is_set()
     outs = await cluster.run(PROMPT, greedy(4))
     assert registering.is_set()  # the first leg did reach it unregistered
     assert final_tokens(outs) == fake.reference(PROMPT, greedy(4)).token_ids
