@@ -102,7 +102,7 @@ async def test_outputs_that_wait_for_a_slow_server_go_out_as_one(pd):
 async def test_a_server_that_keeps_up_gets_one_output_per_token(make_cluster):
     c = await make_cluster()
     await c.add("prefill")
-    await c.add("decode", decode_delay=0.02)
+    await c.add("decode", decode_delay=0.05)  # a stall of the test under 50 ms merges nothing
     params = greedy(20)
     outs = await asyncio.wait_for(_read(c, params, 0.0), 20)
     assert final_tokens(outs) == fake.reference(PROMPT, params).token_ids
