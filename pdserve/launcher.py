@@ -240,7 +240,6 @@ def serve(args) -> int:
         keys = os.path.join(tmp, "keys")
         keygen(keys)
     env = dict(os.environ, **temp_env(tmp))  # what a killed child leaves goes with the folder
-    env.setdefault("VLLM_RPC_BASE_PATH", tmp)
     env[SERVE_PID_ENV] = str(os.getpid())
 
     def spawn(name: str, cmd: list[str]) -> Child:

@@ -171,8 +171,10 @@ def stale_temp(folder: Path | None = None, proc: Path = PROC) -> list[str]:
 
 def temp_env(folder: str | Path) -> dict[str, str]:
     """Environment for children whose temporary files go in `folder` and with it: vLLM's
-    sockets and file store, the KV-event sockets. Torch inductor's cache (~150 MB of C++
-    precompiled headers an engine builds as it starts) stays where every run shares it."""
+    sockets (unless the user placed them) and file store, the KV-event sockets. Torch
+    inductor's cache (~150 MB of C++ precompiled headers an engine builds as it starts) stays
+    where every run shares it."""
     inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
         tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")  # its default
-    return {"TMPDIR": str(folder), "TORCHINDUCTOR_CACHE_DIR": inductor}
+    return {"TMPDIR": str(folder), "TORCHINDUCTOR_CACHE_DIR": inductor,
+            "VLLM_RPC_BASE_PATH": os.environ.get("VLLM_RPC_BASE_PATH") or str(folder)}

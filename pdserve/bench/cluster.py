@@ -130,7 +130,6 @@ def bench_env(tmp: Path) -> dict[str, str]:
     """The environment of a bench's children: their temporary files in the run's own folder
     (vLLM's server left a `vllm_dist_*` file in the system's at every start)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **temp_env(tmp))
-    env.setdefault("VLLM_RPC_BASE_PATH", str(tmp))
     keep_idle_connections(env)  # vLLM's own servers too: the client keeps idle ones 60 s
     return env
 
