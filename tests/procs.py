@@ -92,6 +92,11 @@ def metric(base: str, name: str) -> float:
     return sum(float(v) for v in re.findall(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M))
 
 
+def loopback_bytes() -> int:
+    """Bytes this machine's processes have sent each other over loopback so far (all of them)."""
+    return int(Path("/sys/class/net/lo/statistics/rx_bytes").read_text())
+
+
 def wait_for(predicate, timeout: float, what: str, procs: list[Proc] = (),
              every: float = 0.3) -> None:
     """Until `predicate()` holds, looking every `every` s; raises if one of `procs` exits."""

@@ -12,9 +12,11 @@ import types
 
 import numpy as np
 import pytest
+from procs import loopback_bytes
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 
-from pdserve.bench.nixl_read import PROMPTS, STALL_S, Read, measure, nixl_agent, stall_table
+from pdserve.bench.nixl_read import (BLOCK_BYTES, LAYERS, PDSERVE_WAYS, PROMPTS, STALL_S, Read,
+                                     measure, nixl_agent, stall_table)
 from pdserve.kv import cpu_nixl
 from pdserve.worker.engine import EngineSettings, Role, engine_env
 
@@ -42,6 +44,15 @@ def test_the_agent_built_in_the_block_gets_the_thread_setting_and_no_other(monke
         assert config.pthrDelay == cpu_nixl.PROGRESS_DELAY_US
         assert api.nixlBind.nixlAgent is original
     assert len(built) == 2
+
+
+def test_a_cpu_engine_reads_over_cma_then_tcp_unless_told(monkeypatch):
+    s = EngineSettings(role=Role.DECODE)
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    assert engine_env(s, cpu=True)["UCX_TLS"] == "cma,tcp"
+    assert "UCX_TLS" not in engine_env(s, cpu=False)  # on GPUs UCX chooses, RDMA included
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    assert "UCX_TLS" not in engine_env(s, cpu=True)
 
 
 def test_a_cpu_engine_sends_a_read_in_32_kb_messages_unless_told(monkeypatch):
@@ -90,16 +101,27 @@ def test_a_read_lands_without_a_progress_thread_when_its_reader_checks_it(monkey
     reader.release_xfer_handle(handle)
 
 
-def test_the_read_benchmark_times_each_size():
-    took = measure(thread=False, seg="32k", reads=2)
+@pytest.mark.parametrize("way", PDSERVE_WAYS, ids=lambda w: w.tls)
+def test_the_read_benchmark_times_each_size_over_tcp_or_cma(way):
+    """Two processes on one host, as two engines: over TCP the blocks cross loopback; over cma
+    the reader copies them from the holder's memory, and loopback carries only the handshake
+    and the notifications (the bytes that would have crossed TCP are counted machine-wide)."""
+    before = loopback_bytes()
+    took = measure(way, reads=2)
+    crossed = loopback_bytes() - before
     assert sorted(took) == sorted(PROMPTS)
     assert all(len(t) == 2 and all(r.seconds > 0 and r.checks >= 1 for r in t)
                for t in took.values())
+    read = 2 * sum(PROMPTS.values()) * LAYERS * BLOCK_BYTES  # 2 reads of every size
+    if way.tls == "tcp":
+        assert crossed >= read, (crossed, read)
+    else:
+        assert crossed < read // 10, (crossed, read)
 
 
 def test_a_busy_reader_checks_once_per_layer_until_the_read_is_in():
     layer = 0.002
-    took = measure(thread=False, seg="32k", reads=2, layer_s=layer)
+    took = measure(PDSERVE_WAYS[0], reads=2, layer_s=layer)
     assert sorted(took) == sorted(PROMPTS)
     for reads in took.values():
         for r in reads:  # each check came after a whole layer's compute

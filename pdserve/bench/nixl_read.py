@@ -1,9 +1,10 @@
 """Figures for the KV read itself (kv/cpu_nixl.py, worker/engine.py): NIXL over UCX's TCP
 transport on loopback, one process holding the blocks (its agent with a progress thread, as a
 prefill engine's) and one reading them as a decode engine waits for an in-step read (checking
-every 50 us), each on a core of its own. Four ways: the reader's agent with and without a
-progress thread, the holder sending the blocks back in UCX's default 8 KB messages and in
-pdserve's 32 KB ones (UCX_TCP_TX_SEG_SIZE).
+every 50 us), each on a core of its own. Over TCP, four ways: the reader's agent with and
+without a progress thread, the holder sending the blocks back in UCX's default 8 KB messages and
+in pdserve's 32 KB ones (UCX_TCP_TX_SEG_SIZE), as engines on two hosts read. And as engines on one
+host read: cross-memory attach (UCX_TLS=cma,tcp), the reader copying the blocks itself.
 
 `.venv/bin/python -m pdserve.bench.nixl_read` (~1-2 min; two cores). The sizes are the bench
 preset's reads: 4 layers of 128 KB blocks of 128 tokens, one contiguous run per layer.
@@ -11,7 +12,8 @@ preset's reads: 4 layers of 128 KB blocks of 128 tokens, one contiguous run per 
 `--busy-layer-ms MS`: the reader as a busy decode engine without a progress thread moves its
 reads, computing MS between checks (one attention layer of a forward) and checking once at each
 (the connector's `wait_for_layer_load`): how many such points a read needs, and how long its
-checks take, which is the data being taken in (the read's CPU, paid inside the forward).
+checks take, which is the data being taken in (the read's CPU, paid inside the forward); over
+TCP and over cma, pdserve's two ways.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -32,12 +35,25 @@ LAYERS, BLOCK_BYTES = 4, 128 * 1024
 SPAN = 2 * LAYERS * BLOCK_BYTES * max(PROMPTS.values())  # each side's memory: runs apart (_runs)
 GAP_S = 0.01  # between reads, as between handoffs
 STALL_S = 0.015  # a read this long is stalled: 3-30 times its median at these sizes
-WAYS = [  # (name, the reader's progress thread, UCX_TCP_TX_SEG_SIZE)
-    ("thread, 8 KB (before)", True, "8k"),
-    ("no thread, 8 KB", False, "8k"),
-    ("thread, 32 KB", True, "32k"),
-    ("no thread, 32 KB (pdserve)", False, "32k"),
+ONE_HOST, TWO_HOSTS = "cma,tcp", "tcp"  # UCX_TLS: pdserve's on a CPU host, as each peer sees it
+
+
+@dataclass(frozen=True)
+class Way:
+    name: str
+    thread: bool  # the reader's agent has a progress thread
+    seg: str  # UCX_TCP_TX_SEG_SIZE
+    tls: str = TWO_HOSTS
+
+
+WAYS = [
+    Way("tcp, thread, 8 KB (before)", True, "8k"),
+    Way("tcp, no thread, 8 KB", False, "8k"),
+    Way("tcp, thread, 32 KB", True, "32k"),
+    Way("tcp, no thread, 32 KB (pdserve, two hosts)", False, "32k"),
+    Way("cma, no thread (pdserve, one host)", False, "32k", ONE_HOST),
 ]
+PDSERVE_WAYS = WAYS[-2:]
 
 
 def nixl_agent(name: str, progress_thread: bool) -> Any:
@@ -50,15 +66,15 @@ def nixl_agent(name: str, progress_thread: bool) -> Any:
         return base_worker.NixlWrapper(name, base_worker.nixl_agent_config(num_threads=4))
 
 
-def _enter(core: int, seg: str) -> None:
+def _enter(core: int, way: Way) -> None:
     """UCX reads its settings as its first agent starts: set them first, in this process."""
-    os.environ.update(UCX_TLS="tcp", UCX_NET_DEVICES="lo", UCX_TCP_TX_SEG_SIZE=seg)
+    os.environ.update(UCX_TLS=way.tls, UCX_NET_DEVICES="lo", UCX_TCP_TX_SEG_SIZE=way.seg)
     if core in os.sched_getaffinity(0):
         os.sched_setaffinity(0, {core})
 
 
-def _hold(conn: Connection, core: int, seg: str) -> None:
-    _enter(core, seg)
+def _hold(conn: Connection, core: int, way: Way) -> None:
+    _enter(core, way)
     agent = nixl_agent("holder", progress_thread=True)
     blocks: np.ndarray = np.ones(SPAN, dtype=np.uint8)
     agent.register_memory([(blocks.ctypes.data, SPAN, 0, "")], "DRAM")
@@ -104,10 +120,9 @@ def _move(agent: Any, handle: Any, layer_s: float | None) -> Read:
     return Read(time.perf_counter() - start, checks, checking)
 
 
-def _read(conn: Connection, core: int, seg: str, thread: bool, reads: int,
-          layer_s: float | None) -> None:
-    _enter(core, seg)
-    agent = nixl_agent("reader", progress_thread=thread)
+def _read(conn: Connection, core: int, way: Way, reads: int, layer_s: float | None) -> None:
+    _enter(core, way)
+    agent = nixl_agent("reader", progress_thread=way.thread)
     local: np.ndarray = np.zeros(SPAN, dtype=np.uint8)
     agent.register_memory([(local.ctypes.data, SPAN, 0, "")], "DRAM")
     metadata, remote_base = conn.recv()
@@ -127,15 +142,13 @@ def _read(conn: Connection, core: int, seg: str, thread: bool, reads: int,
     conn.send(out)
 
 
-def measure(thread: bool, seg: str, reads: int,
-            layer_s: float | None = None) -> dict[int, list[Read]]:
+def measure(way: Way, reads: int, layer_s: float | None = None) -> dict[int, list[Read]]:
     """Each size's reads; `layer_s`: the reader as a busy engine with layers that long."""
     ctx = mp.get_context("spawn")
     hold_end, hold_here = ctx.Pipe()
     read_end, read_here = ctx.Pipe()
-    holder = ctx.Process(target=_hold, args=(hold_end, 0, seg), daemon=True)
-    reader = ctx.Process(target=_read, args=(read_end, 1, seg, thread, reads, layer_s),
-                         daemon=True)
+    holder = ctx.Process(target=_hold, args=(hold_end, 0, way), daemon=True)
+    reader = ctx.Process(target=_read, args=(read_end, 1, way, reads, layer_s), daemon=True)
     holder.start()
     reader.start()
     try:
@@ -187,6 +200,13 @@ def busy_table(results: dict[int, list[Read]]) -> Iterator[str]:
                f"{_cells([r.checking for r in reads])} | {_stalls(reads)} |")
 
 
+def _congestion_control() -> str:
+    try:
+        return Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
+    except OSError:
+        return "unknown"
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m pdserve.bench.nixl_read", description=__doc__)
     p.add_argument("--reads", type=int, default=60, help="reads per size and way")
@@ -194,14 +214,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--busy-layer-ms", type=float, default=None,
                    help="the reader as a busy engine (pdserve's way): MS of compute per layer")
     args = p.parse_args(argv)
+    # Over loopback TCP, BBR's paced sends came out of order and stalled reads (performance.md).
+    print(f"TCP congestion control: {_congestion_control()}")
     for r in range(args.rounds):
         if args.busy_layer_ms is not None:
-            busy = measure(False, "32k", args.reads, args.busy_layer_ms / 1e3)
-            print(f"\nround {r + 1}: a busy reader, {args.busy_layer_ms:g} ms per layer, "
-                  f"p50 (p90), {args.reads} reads each\n")
-            print("\n".join(busy_table(busy)), flush=True)
+            for way in PDSERVE_WAYS:
+                busy = measure(way, args.reads, args.busy_layer_ms / 1e3)
+                print(f"\nround {r + 1}, {way.name}: a busy reader, {args.busy_layer_ms:g} ms "
+                      f"per layer, p50 (p90), {args.reads} reads each\n")
+                print("\n".join(busy_table(busy)), flush=True)
             continue
-        results = {name: measure(thread, seg, args.reads) for name, thread, seg in WAYS}
+        results = {way.name: measure(way, args.reads) for way in WAYS}
         print(f"\nround {r + 1}: read p50 (p90), ms, {args.reads} reads each\n")
         print("\n".join(table(results)), flush=True)
         print(f"\nreads over {STALL_S * 1e3:g} ms (the longest, ms)\n")

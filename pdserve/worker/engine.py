@@ -155,9 +155,12 @@ def engine_env(s: EngineSettings, cpu: bool) -> dict[str, str]:
         # The worker's pid: its engine core, and only it, moves to a group of its own.
         ENGINE_OWN_GROUP_ENV: str(os.getpid()),
     }
-    # UCX picks its transport and interface itself unless told; over loopback only TCP works.
+    # UCX picks its transport and interface itself unless told. On a CPU host: engines on one
+    # host read each other's blocks with cross-memory attach (cma: one process_vm_readv, the
+    # holder idle); engines on other hosts over TCP. UCX offers cma only to a peer in its own pid
+    # namespace on the same machine, and only where the kernel lets it (it checks ptrace_scope).
     if "UCX_TLS" not in os.environ and cpu:
-        env["UCX_TLS"] = "tcp"
+        env["UCX_TLS"] = "cma,tcp"
     if "UCX_NET_DEVICES" not in os.environ and s.advertise_host.startswith("127."):
         env["UCX_NET_DEVICES"] = "lo"
     # UCX over TCP has no remote read: the prefill engine sends a read's blocks back as

@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass, field
 
 import pytest
+from procs import loopback_bytes, metric
+from test_multihost import kv_bytes_per_token
 from test_openai import complete, prompt_ids
 
 from pdserve.worker.engine import parse_cores
@@ -190,6 +192,25 @@ def test_greedy_output_equals_a_single_engine(pd_client, ref_client, model_dir):
     ours, _ = complete(pd_client, model_dir, prompt, max_tokens=24, temperature=0)
     ref, _ = complete(ref_client, model_dir, prompt, max_tokens=24, temperature=0)
     assert ours == ref
+
+
+def test_engines_on_one_host_hand_the_kv_over_without_loopback_tcp(pd_server, pd_client,
+                                                                    ref_client, model_dir):
+    """The decode engine copies the prefill engine's blocks itself (UCX's cma, pdserve's default
+    on a CPU host): the KV does not cross loopback TCP, which carries the rest of the request
+    (the client's HTTP, the control plane's legs; counted machine-wide)."""
+    prompt = prompt_ids(2000, seed=7300)  # never seen before by either engine
+    block = 128
+    kv = len(prompt) // block * block * kv_bytes_per_token(model_dir)  # ~2 MB, tiny model
+    read_before = metric(pd_server.base, "pdserve_kv_read_tokens_total")
+    lo_before = loopback_bytes()
+    ours, _ = complete(pd_client, model_dir, prompt, max_tokens=4, temperature=0)
+    crossed = loopback_bytes() - lo_before
+    read = metric(pd_server.base, "pdserve_kv_read_tokens_total") - read_before
+    ref, _ = complete(ref_client, model_dir, prompt, max_tokens=4, temperature=0)
+    assert ours == ref
+    assert read >= len(prompt) // block * block, read  # the decode engine read the KV
+    assert crossed < kv // 4, f"{crossed} bytes over loopback for {kv} bytes of KV"
 
 
 def test_idle_engines_do_not_spin(pd_server, trees, pool):
