@@ -15,8 +15,8 @@ import pytest
 from procs import loopback_bytes
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 
-from pdserve.bench.nixl_read import (BLOCK_BYTES, LAYERS, PDSERVE_WAYS, PROMPTS, STALL_S, Read,
-                                     measure, nixl_agent, stall_table)
+from pdserve.bench.nixl_read import (BLOCK_BYTES, LAYERS, PDSERVE_WAYS, PROMPTS, STALL_S,
+                                     TWO_HOSTS, Read, measure, nixl_agent, stall_table)
 from pdserve.kv import cpu_nixl
 from pdserve.worker.engine import EngineSettings, Role, engine_env
 
@@ -113,7 +113,7 @@ def test_the_read_benchmark_times_each_size_over_tcp_or_cma(way):
     assert all(len(t) == 2 and all(r.seconds > 0 and r.checks >= 1 for r in t)
                for t in took.values())
     read = 2 * sum(PROMPTS.values()) * LAYERS * BLOCK_BYTES  # 2 reads of every size
-    if way.tls == "tcp":
+    if way.tls == TWO_HOSTS:
         assert crossed >= read, (crossed, read)
     else:
         assert crossed < read // 10, (crossed, read)

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 import pytest
-from procs import loopback_bytes, metric
+from procs import loopback_bytes, metric, ready_workers
 from test_multihost import kv_bytes_per_token
 from test_openai import complete, prompt_ids
 
@@ -200,7 +200,7 @@ def test_engines_on_one_host_hand_the_kv_over_without_loopback_tcp(pd_server, pd
     on a CPU host): the KV does not cross loopback TCP, which carries the rest of the request
     (the client's HTTP, the control plane's legs; counted machine-wide)."""
     prompt = prompt_ids(2000, seed=27182)  # no other test's seed: never seen by either engine
-    block = 128
+    block = ready_workers(pd_server.base, "decode")[0]["block_size"]
     kv = len(prompt) // block * block * kv_bytes_per_token(model_dir)  # ~2 MB, tiny model
     read_before = metric(pd_server.base, "pdserve_kv_read_tokens_total")
     lo_before = loopback_bytes()
