@@ -3,6 +3,7 @@ against vLLM's own server, in alternating rounds (this machine's speed drifts by
 within minutes, so only a ratio within one round means much).
 
   .venv/bin/python scripts/cpu_per_token.py [--rounds 2] [--requests 25] [--prompt 300] [--output 64]
+                                            [--router]
 
 vLLM's server runs with its engine kept to core 1; pdserve's prefill worker gets core 0, its
 decode worker core 1, the controller is not pinned (as `pdserve bench handoff` runs them). Each
@@ -99,6 +100,8 @@ def main() -> int:
     p.add_argument("--prompt", type=int, default=300, help="prompt tokens")
     p.add_argument("--output", type=int, default=64, help="output tokens")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--router", action="store_true", help="also P then D through vllm-router on "
+                   "two vLLM servers with pdserve's connector, on the same cores")
     args = p.parse_args()
     model = str(ensure_model("tiny"))
     with tempfile.TemporaryDirectory(prefix="pdserve-cpu-per-token-") as tmp:
@@ -109,6 +112,9 @@ def main() -> int:
             cfg = cluster.Config("1P1D", prefill=1, decode=1, local_threshold=0)
             measure(cluster.PdDeployment(cfg, model, out, cores=[0, 1]),
                     f"round {r + 1}, pdserve 1P1D", model, args)
+            if args.router:
+                measure(cluster.RouterDeployment(model, out, [0, 1]),
+                        f"round {r + 1}, P then D through vllm-router", model, args)
     return 0
 
 

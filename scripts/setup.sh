@@ -22,5 +22,5 @@ if ! .venv/bin/python -c "import vllm" 2>/dev/null; then
 fi
 # NIXL: the meta package pins backends that do not exist for 1.5.2; 1.5.1 with no deps works.
 "${pip[@]}" --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1"
-"${pip[@]}" -e ".[test]"
+"${pip[@]}" -e ".[test,bench]"
 echo "$want" > "$stamp"

@@ -490,3 +490,75 @@ def test_a_bench_childs_temporary_files_go_to_the_runs_folder(tmp_path: Path) ->
                          env=cluster.bench_env(tmp_path), capture_output=True, text=True,
                          check=True, timeout=60)
     assert out.stdout.strip() == str(tmp_path)
+
+
+def test_the_router_baselines_servers_run_pdserves_connector_in_their_roles(tmp_path,
+                                                                           monkeypatch):
+    """P then D through vllm-router: the prefill server on the first core, the decode server on
+    the second, each with pdserve's CPU connector in a worker's role and the environment a
+    worker gives its engine (cma then TCP, side channels on ports of their own), nothing that
+    names a pdserve worker."""
+    from pdserve.worker.engine import CPU_CONNECTOR
+    from pdserve.worker.stop_signals import ENGINE_OWN_GROUP_ENV
+
+    monkeypatch.setattr(cluster, "is_cpu_host", lambda: True)
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    dep = cluster.RouterDeployment("m", tmp_path, [3, 5])
+    got, side_channels = [], set()
+    for server in dep.servers:
+        cmd = server.command(8000)
+        config = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
+        env = server.environment(tmp_path)
+        got.append((config["kv_connector"], config["kv_role"], env["VLLM_CPU_OMP_THREADS_BIND"],
+                    env["UCX_TLS"], ENGINE_OWN_GROUP_ENV in env))
+        side_channels.add(env["VLLM_NIXL_SIDE_CHANNEL_PORT"])
+    assert len(side_channels) == 2
+    assert got == [(CPU_CONNECTOR, "kv_producer", "3", "cma,tcp", False),
+                   (CPU_CONNECTOR, "kv_consumer", "5", "cma,tcp", False)]
+    assert "--kv-transfer-config" not in cluster.VllmDeployment("m", tmp_path).command(8000)
+
+
+def test_nixl_reads_come_from_vllms_histogram_summed_over_engines():
+    text = "\n".join([
+        "# TYPE vllm:nixl_bytes_transferred histogram",
+        'vllm:nixl_bytes_transferred_bucket{engine="0",le="+Inf",model_name="m"} 3.0',
+        'vllm:nixl_bytes_transferred_count{engine="0",model_name="m"} 3.0',
+        'vllm:nixl_bytes_transferred_sum{engine="0",model_name="m"} 1500000.0',
+        'vllm:nixl_bytes_transferred_count{engine="1",model_name="m"} 1.0',
+        'vllm:nixl_bytes_transferred_sum{engine="1",model_name="m"} 500000.0', ""])
+    assert scrape.parse_nixl_reads(text) == (4.0, 2000000.0)
+    assert scrape.parse_nixl_reads("") == (0.0, 0.0)
+
+
+def test_handoff_counts_the_routers_reads_and_sets_pdserve_beside_it(tmp_path, monkeypatch):
+    """With --router the bench counts the reads of the router's decode engine over each length's
+    measured requests (every prompt handed over, as pdserve's are) and reports TTFT, the first
+    gap and E2E beside pdserve's."""
+    def fake_client(run, log, seed=0):
+        n = len(run.trace.read_text().splitlines())
+        router = "router" in run.base_url
+        first, ttft = (0.004, 0.030) if router else (0.010, 0.022)
+        return {"ttfts": [ttft] * n, "itls": [[first] + [0.004] * 9] * n,
+                "input_lens": [300] * n, "output_lens": [10] * n, "start_times": [0.0] * n,
+                "errors": [""] * n}
+
+    counts = iter([(5.0, 1e6), (15.0, 4e6)])  # before and after the measured requests
+    monkeypatch.setattr(handoff, "run_client", fake_client)
+    monkeypatch.setattr(procs, "wait_quiet", lambda *a: 0.0)
+    monkeypatch.setattr(scrape, "scrape", lambda url: {})
+    monkeypatch.setattr(scrape, "nixl_reads", lambda url: next(counts))
+
+    class Dep:
+        base_url = "http://pd"
+
+    router = cluster.RouterDeployment("m", tmp_path, [0, 1])
+    router.base_url, router.servers[1].base_url = "http://router", "http://router-decode"
+    args = handoff.make_parser().parse_args(["--prompts", "10", "--router"])
+    (tmp_path / "raw").mkdir()
+    res = handoff.measure({"pdserve": Dep(), "router": router}, [300], args, "m", tmp_path)
+    assert res["router"][300]["kv_reads"] == 10 and res["router"][300]["kv_read_mb"] == 3.0
+    text = handoff.markdown({"command": "c", "model": "m", "workload": "w", "rounds": [res]})
+    row = [c.strip() for c in text.split("vllm-router")[1].split("\n| 300 |")[1]
+           .split("\n")[0].split("|")]
+    assert row[:3] == ["22.0 / 30.0", "10.0 / 4.0", "4.0 / 4.0"]  # TTFT, first gap, ITL after
+    assert row[3:6] == ["68.0 / 70.0", "0.97", "10 of 10 (3.0)"]  # E2E, x the router's, reads

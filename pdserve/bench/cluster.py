@@ -8,6 +8,8 @@
 - Nauto: N workers of role `auto`, each given a duty (prefill, decode or both) by the
   controller's planner, which aims at the bench's SLO (planner_args).
 - vLLM's plain OpenAI server on one core (the controller-overhead baseline).
+- P then D through vllm-router: two vLLM servers with pdserve's CPU connector behind vLLM's
+  router (the peer path `bench handoff --router` sets pdserve's handoff beside).
 Every child runs in its own process group and is stopped as a group (a worker's engine core,
 in a group of its own, stops with its worker: pdserve/worker/engine_proc.py).
 """
@@ -15,9 +17,11 @@ in a group of its own, stops with its worker: pdserve/worker/engine_proc.py).
 from __future__ import annotations
 
 import abc
+import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -31,8 +35,11 @@ from pdserve import launcher
 from pdserve.bench.metrics import Slo
 from pdserve.leftovers import temp_env
 from pdserve.net import free_port, keep_idle_connections
+from pdserve.protocol import Role
 from pdserve.supervisor import Child, stop_children
-from pdserve.worker.engine import IN_ENGINE_CORE_EXECUTOR, is_cpu_host, parse_cores
+from pdserve.worker.engine import (IN_ENGINE_CORE_EXECUTOR, EngineSettings, engine_env,
+                                   is_cpu_host, kv_transfer_config, parse_cores)
+from pdserve.worker.stop_signals import ENGINE_OWN_GROUP_ENV
 
 ALL_LOCAL = 10**9  # a local-prefill threshold no prompt reaches
 WorkerCmd = Callable[[str, str, "str | None", "str | None"], list[str]]
@@ -164,6 +171,23 @@ class Deployment(abc.ABC):
     def start(self, timeout: float = 600.0) -> str:
         """Start the children, wait until they serve; return the HTTP base URL."""
 
+    def wait_healthy(self, child: Child, what: str, timeout: float) -> None:
+        """Until `child` answers /health at base_url; stops everything if it exits or never does."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if child.proc.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"{what} exited with {child.proc.returncode}; "
+                                   f"see {self.logdir}/{child.name}.log")
+            try:
+                if _get(self.base_url + "/health") == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"{what} not ready after {timeout:.0f} s")
+
     def groups(self) -> dict[str, int]:
         """Process-group id of each child, by name (a child leads its own group)."""
         return {c.name: c.proc.pid for c in self.children}
@@ -269,46 +293,108 @@ def engine_mode(worker_args: list[str]) -> list[str]:
 
 class VllmDeployment(Deployment):
     """vLLM's own OpenAI server, one engine, the whole server kept to `core` as a pdserve worker
-    keeps itself, and on CPU with the executor a worker's engine gets (the overhead baseline)."""
+    keeps itself, and on CPU with the executor a worker's engine gets (the overhead baseline).
+    With `role`, one of a P/D pair: pdserve's KV connector in that role, and the environment a
+    worker gives its engine (the KV transports, the side channel's port)."""
 
     def __init__(self, model: str, workdir: Path, core: str | None = "0",
-                 extra: list[str] | None = None):
-        super().__init__(workdir / "logs" / "vllm")
-        self.model, self.workdir, self.core = model, workdir, core
+                 extra: list[str] | None = None, role: Role | None = None,
+                 name: str = "vllm"):
+        super().__init__(workdir / "logs" / name)
+        self.model, self.workdir, self.core, self.role = model, workdir, core, role
         self.extra = list(extra or [])
 
     def command(self, port: int) -> list[str]:
         return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                 "--dtype", "float32", "--host", "127.0.0.1", "--port",
-                str(port), "--disable-uvicorn-access-log", *self.executor(), *self.extra]
+                str(port), "--disable-uvicorn-access-log", *self.executor(), *self.connector(),
+                *self.extra]
 
     def executor(self) -> list[str]:
         if "--distributed-executor-backend" in " ".join(self.extra) or not is_cpu_host():
             return []
         return ["--distributed-executor-backend", IN_ENGINE_CORE_EXECUTOR]
 
-    def start(self, timeout: float = 600.0) -> str:
-        tmp = self.workdir / "run"
-        tmp.mkdir(parents=True, exist_ok=True)
+    def connector(self) -> list[str]:
+        if self.role is None:
+            return []
+        return ["--kv-transfer-config", json.dumps(kv_transfer_config(self.role, is_cpu_host()))]
+
+    def environment(self, tmp: Path) -> dict[str, str]:
         env = bench_env(tmp)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         if self.core is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.core
+        if self.role is not None:
+            settings = EngineSettings(self.role, kv_port=free_port(), cores=self.core)
+            env.update(engine_env(settings, is_cpu_host()))
+            del env[ENGINE_OWN_GROUP_ENV]  # names a pdserve worker; this server is none
+        return env
+
+    def start(self, timeout: float = 600.0) -> str:
+        tmp = self.workdir / "run"
+        tmp.mkdir(parents=True, exist_ok=True)
         port = free_port()
         cpus = None if self.core is None else parse_cores(self.core)
-        child = self.spawn("vllm-server", self.command(port), env, cpus, worker=False)
+        child = self.spawn("vllm-server", self.command(port), self.environment(tmp), cpus,
+                           worker=False)
         self.base_url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if child.proc.poll() is not None:
-                self.stop()
-                raise RuntimeError(f"vLLM server exited with {child.proc.returncode}; "
-                                   f"see {self.logdir}/vllm-server.log")
-            try:
-                if _get(self.base_url + "/health") == 200:
-                    return self.base_url
-            except OSError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise TimeoutError(f"vLLM server not ready after {timeout:.0f} s")
+        self.wait_healthy(child, "vLLM server", timeout)
+        return self.base_url
+
+
+# vllm-router, vLLM's router with P/D over NIXL: pdserve's bench extra (pyproject.toml).
+ROUTER_PACKAGE = "vllm-router==0.1.17"
+
+
+class RouterDeployment(Deployment):
+    """P then D through vllm-router, the peer path pdserve's handoff is measured against: two
+    vLLM servers with pdserve's CPU connector, the prefill one on `cores[0]` and the decode one
+    on `cores[1]`, and the router where pdserve's controller runs (the prefill core). The router
+    asks the prefill server for one token, then streams the decode server's answer, which reads
+    the prompt's KV from the prefill engine."""
+
+    def __init__(self, model: str, workdir: Path, cores: list[int],
+                 extra: list[str] | None = None):
+        super().__init__(workdir / "logs" / "router")
+        self.workdir, self.core = workdir, cores[0]
+        self.servers = [VllmDeployment(model, workdir, str(core), extra, role, f"router-{name}")
+                        for role, name, core in ((Role.PREFILL, "prefill", cores[0]),
+                                                 (Role.DECODE, "decode", cores[1]))]
+
+    def start(self, timeout: float = 600.0) -> str:
+        prefill, decode = [s.start(timeout) for s in self.servers]  # one at a time
+        tmp = self.workdir / "run"
+        port = free_port()
+        cmd = [router_program(), "--vllm-pd-disaggregation", "--prefill", prefill, "--decode",
+               decode, "--host", "127.0.0.1", "--port", str(port),
+               # its metrics on a port of their own (29000 by default: a second router fails)
+               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+        child = self.spawn("vllm-router", cmd, bench_env(tmp), {self.core}, worker=False)
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.wait_healthy(child, "vllm-router", timeout)
+        return self.base_url
+
+    @property
+    def decode_url(self) -> str:
+        return self.servers[1].base_url
+
+    def groups(self) -> dict[str, int]:
+        out = super().groups()
+        for s in self.servers:
+            out |= {s.logdir.name: pid for pid in s.groups().values()}
+        return out
+
+    def stop(self) -> None:
+        super().stop()  # the router first: nothing reaches the servers after it
+        for s in self.servers:
+            s.stop()
+
+
+def router_program() -> str:
+    found = shutil.which("vllm-router", path=os.pathsep.join(
+        [str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+    if found is None:
+        raise RuntimeError(f"vllm-router is not installed: pip install '{ROUTER_PACKAGE}' "
+                           "(`make setup` installs it)")
+    return found

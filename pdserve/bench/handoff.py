@@ -9,6 +9,11 @@ first) is the handoff; the gaps after it are its decode path. The controller's h
 are scraped around each length. The client runs on the prefill core, as one on another host
 would leave the decode core to the engine (`--client-free`: on any core).
 
+`--router` adds the peer path on the same cores: P then D through vllm-router in front of two
+vLLM servers with pdserve's CPU connector (the router asks the prefill server for one token,
+then streams the decode server's answer, whose engine reads the KV). Its first token comes after
+the handoff; pdserve streams the prefill's token at once.
+
 This machine's speed drifts by tens of percent within minutes, so the two run side by side and
 take turns (`--interleave N`: N requests to one, N to the other, in the order ABBA...): both
 see the same minutes, and each turn's ratio is taken against the other's turn beside it. With
@@ -49,7 +54,11 @@ def make_parser() -> argparse.ArgumentParser:
                    help="let the client run on any core (default: the prefill core, as a client "
                    "on another host would leave the decode core to the engine)")
     p.add_argument("--worker-args", default="", help="extra `pdserve worker` arguments")
-    p.add_argument("--skip-vllm", action="store_true", help="measure pdserve only")
+    p.add_argument("--skip-vllm", action="store_true",
+                   help="no vLLM server on one engine (pdserve, and the router with --router)")
+    p.add_argument("--router", action="store_true",
+                   help="also P then D through vllm-router on two vLLM servers with pdserve's "
+                   "connector, on the same cores")
     p.add_argument("--interleave", type=int, default=5,
                    help="requests per turn, the two side by side taking turns (0: vLLM's "
                    "server first, then pdserve)")
@@ -86,6 +95,8 @@ def measure(deps: dict[str, cluster.Deployment], lengths: list[int], args: argpa
     """Each length's figures per system. The systems take turns of `--interleave` requests
     (all of them in one turn if 0), in the order ABBA..., the same prompts for each."""
     urls = {name: dep.base_url for name, dep in deps.items()}
+    routers = {name: dep.decode_url for name, dep in deps.items()  # their decode servers
+               if isinstance(dep, cluster.RouterDeployment)}
     log = out / "client.log"
     turn = args.interleave or args.prompts
     cores = None if args.client_free else frozenset({int(args.cores.split(",")[0])})
@@ -107,6 +118,7 @@ def measure(deps: dict[str, cluster.Deployment], lengths: list[int], args: argpa
                                        float("inf"), 1.0, args.seed + i)
         procs.wait_quiet(args.quiet_below, args.quiet_timeout)
         before = scrape.scrape(urls["pdserve"]) if "pdserve" in urls else {}
+        reads = {name: scrape.nixl_reads(url) for name, url in routers.items()}
         recs: dict[str, list[list[metrics.Record]]] = {name: [] for name in deps}
         for t, start in enumerate(range(0, len(items), turn)):
             for name in (list(deps) if t % 2 == 0 else list(deps)[::-1]):
@@ -117,6 +129,9 @@ def measure(deps: dict[str, cluster.Deployment], lengths: list[int], args: argpa
             d = scrape.delta(before, scrape.scrape(urls["pdserve"]))
             res["pdserve"][n_tokens]["phases_ms"] = {p: d.get(f"handoff_{p}_mean_ms")
                                                      for p in PHASES}
+        for name, url in routers.items():  # every prompt handed over, as pdserve's are
+            (n0, b0), (n1, b1) = reads[name], scrape.nixl_reads(url)
+            res[name][n_tokens] |= {"kv_reads": n1 - n0, "kv_read_mb": round((b1 - b0) / 1e6, 2)}
         if "vllm" in recs and "pdserve" in recs:
             res["pdserve"][n_tokens]["itl_x_vllm_per_turn"] = turn_ratios(recs["pdserve"],
                                                                           recs["vllm"])
@@ -143,6 +158,9 @@ def deployment(name: str, args: argparse.Namespace, model: str, cores: list[int]
     if name == "vllm":
         return cluster.VllmDeployment(model, out, core=str(cores[1]),
                                       extra=cluster.engine_mode(args.worker_args.split()))
+    if name == "router":
+        return cluster.RouterDeployment(model, out, cores,
+                                        extra=cluster.engine_mode(args.worker_args.split()))
     cfg = cluster.Config("handoff-1P1D", prefill=1, decode=1, local_threshold=0)
     return cluster.PdDeployment(cfg, model, out, worker_args=args.worker_args.split(),
                                 cores=cores)
@@ -152,7 +170,8 @@ def measure_round(args: argparse.Namespace, model: str, lengths: list[int], core
                   out: Path) -> dict[str, Any]:
     """vLLM's server and pdserve side by side, or one after the other (`--interleave 0`)."""
     (out / "raw").mkdir(parents=True, exist_ok=True)
-    names = ["pdserve"] if args.skip_vllm else ["vllm", "pdserve"]
+    names = ([] if args.skip_vllm else ["vllm"]) + ["pdserve"] + (["router"] if args.router
+                                                                 else [])
     if not args.interleave:
         run: dict[str, Any] = {}
         for name in names:
@@ -211,6 +230,28 @@ def _round(run: dict[str, Any]) -> list[str]:
         vals = [ph.get(p) for p in PHASES]
         total = sum(x for x in vals if x is not None)
         lines.append(f"| {n} | " + " | ".join(f(x) for x in vals) + f" | {total:.1f} |")
+    return lines + [""] + (_against_router(run) if "router" in run else [])
+
+
+def _against_router(run: dict[str, Any]) -> list[str]:
+    """pdserve beside P then D through vllm-router: the router's first token comes after the
+    handoff, pdserve's from the prefill."""
+    lines = ["Against P then D through vllm-router (pdserve / router, p50, ms):", "",
+             "| prompt tokens | TTFT | first -> second token | ITL after it | E2E | E2E x "
+             "router's | router's KV reads (MB) |", "|" + "---|" * 7]
+
+    def both(key: str, pd: dict[str, Any], r: dict[str, Any]) -> str:
+        a, b = pd.get(key), r.get(key)
+        return " / ".join("-" if v is None else f"{v:.1f}" for v in (a, b))
+
+    for n, pd in run["pdserve"].items():
+        r = run["router"].get(n, {})
+        ratio = (f"{pd['e2e_p50_ms'] / r['e2e_p50_ms']:.2f}"
+                 if pd.get("e2e_p50_ms") and r.get("e2e_p50_ms") else "-")
+        reads = f"{r.get('kv_reads', 0):.0f} of {r.get('requests', 0)} ({r.get('kv_read_mb', 0)})"
+        lines.append(f"| {n} | {both('ttft_p50_ms', pd, r)} | {both('first_gap_p50_ms', pd, r)} "
+                     f"| {both('itl_after_p50_ms', pd, r)} | {both('e2e_p50_ms', pd, r)} | "
+                     f"{ratio} | {reads} |")
     return lines + [""]
 
 

@@ -93,3 +93,25 @@ def cache_figures(delta: dict[str, float]) -> dict[str, float | None]:
         "handoffs_skipped": get("pdserve_routes_total", path="local", reason="cached")
         if seen else None,
     }
+
+
+def nixl_reads(base_url: str, timeout: float = 5.0) -> tuple[float, float]:
+    """(reads, bytes) vLLM's NIXL connector counted in the engine behind a plain vLLM server;
+    (0, 0) before its first read or if it cannot be reached."""
+    try:
+        with urllib.request.urlopen(base_url + "/metrics", timeout=timeout) as r:
+            return parse_nixl_reads(r.read().decode())
+    except OSError:
+        return 0.0, 0.0
+
+
+def parse_nixl_reads(text: str) -> tuple[float, float]:
+    """From vLLM's `vllm:nixl_bytes_transferred` histogram (one observation per read), summed
+    over its engines."""
+    got = {"_count": 0.0, "_sum": 0.0}
+    for family in text_string_to_metric_families(text):
+        if family.name == "vllm:nixl_bytes_transferred":
+            for s in family.samples:
+                if (end := s.name.removeprefix(family.name)) in got:
+                    got[end] += s.value
+    return got["_count"], got["_sum"]
