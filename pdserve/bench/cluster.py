@@ -183,7 +183,7 @@ class Deployment(abc.ABC):
                 if _get(self.base_url + "/health") == 200:
                     return
             except OSError:
-                pass
+                pass  # not listening yet
             time.sleep(0.5)
         self.stop()
         raise TimeoutError(f"{what} not ready after {timeout:.0f} s")

@@ -31,12 +31,17 @@ def parse(text: str) -> dict[str, float]:
     return out
 
 
-def scrape(base_url: str, timeout: float = 5.0) -> dict[str, float]:
+def metrics_text(base_url: str, timeout: float = 5.0) -> str:
+    """A server's /metrics page; empty if it cannot be reached."""
     try:
         with urllib.request.urlopen(base_url + "/metrics", timeout=timeout) as r:
-            return parse(r.read().decode())
+            return r.read().decode()
     except OSError:
-        return {}
+        return ""
+
+
+def scrape(base_url: str, timeout: float = 5.0) -> dict[str, float]:
+    return parse(metrics_text(base_url, timeout))
 
 
 def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -98,11 +103,7 @@ def cache_figures(delta: dict[str, float]) -> dict[str, float | None]:
 def nixl_reads(base_url: str, timeout: float = 5.0) -> tuple[float, float]:
     """(reads, bytes) vLLM's NIXL connector counted in the engine behind a plain vLLM server;
     (0, 0) before its first read or if it cannot be reached."""
-    try:
-        with urllib.request.urlopen(base_url + "/metrics", timeout=timeout) as r:
-            return parse_nixl_reads(r.read().decode())
-    except OSError:
-        return 0.0, 0.0
+    return parse_nixl_reads(metrics_text(base_url, timeout))
 
 
 def parse_nixl_reads(text: str) -> tuple[float, float]:
