@@ -481,6 +481,38 @@ def test_handoff_systems_take_turns_with_the_same_prompts(tmp_path, monkeypatch)
     assert handoff.per_turn(pd) == "1.10 (1.10-1.10)"
 
 
+def test_handoff_rounds_start_the_systems_in_turn_reversed_order(tmp_path, monkeypatch):
+    """Round 2 starts the systems (and gives the first turn) in the reverse of round 1's order,
+    so whatever a deployment's start gives it does not always fall to the same system."""
+    started: list[list[str]] = []
+
+    class Dep:
+        def __init__(self, name: str):
+            self.name = name
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def start(self, timeout):
+            started[-1].append(self.name)
+
+    def fake_measure(deps, lengths, args, model, out):
+        assert list(deps) == started[-1]  # turns in the order they started
+        return {name: {} for name in deps}
+
+    monkeypatch.setattr(handoff, "deployment", lambda name, *a: Dep(name))
+    monkeypatch.setattr(handoff, "measure", fake_measure)
+    args = handoff.make_parser().parse_args(["--router", "--rounds", "3"])
+    for r in range(3):
+        started.append([])
+        handoff.measure_round(args, "m", [300], [0, 1], tmp_path / f"round{r}", r)
+    assert started == [["vllm", "pdserve", "router"], ["router", "pdserve", "vllm"],
+                       ["vllm", "pdserve", "router"]]
+
+
 def test_a_bench_childs_temporary_files_go_to_the_runs_folder(tmp_path: Path) -> None:
     """vLLM's server makes a `vllm_dist_*` file where tempfile points, and leaves it there."""
     import subprocess

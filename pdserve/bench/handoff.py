@@ -17,8 +17,8 @@ the handoff; pdserve streams the prefill's token at once.
 This machine's speed drifts by tens of percent within minutes, so the two run side by side and
 take turns (`--interleave N`: N requests to one, N to the other, in the order ABBA...): both
 see the same minutes, and each turn's ratio is taken against the other's turn beside it. With
-`--interleave 0` they run one after the other instead, and `--rounds N` alternates them N times,
-each round with a table of its own.
+`--interleave 0` they run one after the other instead. `--rounds N` starts and measures them N
+times, each round with a table of its own and in the other order from the last.
 """
 
 from __future__ import annotations
@@ -60,10 +60,11 @@ def make_parser() -> argparse.ArgumentParser:
                    help="also P then D through vllm-router on two vLLM servers with pdserve's "
                    "connector, on the same cores")
     p.add_argument("--interleave", type=int, default=5,
-                   help="requests per turn, the two side by side taking turns (0: vLLM's "
-                   "server first, then pdserve)")
+                   help="requests per turn, the systems side by side taking turns (0: one "
+                   "after the other)")
     p.add_argument("--rounds", type=int, default=1,
-                   help="start both and measure, this many times (a table each)")
+                   help="start the systems and measure, this many times (a table each, every "
+                   "other round starting them in the reverse order)")
     p.add_argument("--out", default=None, help="default: bench-results/handoff-<timestamp>")
     p.add_argument("--seed", type=int, default=0)
     procs.add_start_and_quiet_args(p)
@@ -166,12 +167,21 @@ def deployment(name: str, args: argparse.Namespace, model: str, cores: list[int]
                                 cores=cores)
 
 
-def measure_round(args: argparse.Namespace, model: str, lengths: list[int], cores: list[int],
-                  out: Path) -> dict[str, Any]:
-    """vLLM's server and pdserve side by side, or one after the other (`--interleave 0`)."""
-    (out / "raw").mkdir(parents=True, exist_ok=True)
+def start_order(args: argparse.Namespace, round_index: int) -> list[str]:
+    """The systems in the order they start and take their first turn. Two identical pdserve
+    deployments side by side differed by 8% in their decode engine's CPU per token at 2,000
+    tokens, for no reason their code holds, so every other round reverses the order: whatever
+    a system's start gives it does not always fall to the same one."""
     names = ([] if args.skip_vllm else ["vllm"]) + ["pdserve"] + (["router"] if args.router
                                                                  else [])
+    return names[::-1] if round_index % 2 else names
+
+
+def measure_round(args: argparse.Namespace, model: str, lengths: list[int], cores: list[int],
+                  out: Path, round_index: int = 0) -> dict[str, Any]:
+    """vLLM's server and pdserve side by side, or one after the other (`--interleave 0`)."""
+    (out / "raw").mkdir(parents=True, exist_ok=True)
+    names = start_order(args, round_index)
     if not args.interleave:
         run: dict[str, Any] = {}
         for name in names:
@@ -272,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                            "workload": f"{args.prompts} sequential requests per length, "
                            f"{args.output_len} output tokens, greedy"}
     res["rounds"] = [measure_round(args, model, lengths, cores,
-                                   out / f"round{r + 1}" if args.rounds > 1 else out)
+                                   out / f"round{r + 1}" if args.rounds > 1 else out, r)
                      for r in range(args.rounds)]
     (out / "handoff.json").write_text(json.dumps(res, indent=1))
     text = markdown(res)
