@@ -347,7 +347,7 @@ class FakeEngine:
                               "remote_host": self.address, "remote_port": self.kv_port,
                               "remote_block_ids": list(range(self._blocks(len(prompt)))),
                               "remote_num_tokens": len(prompt)}
-                elif done and read_stats is not None:
+                elif done and read_stats is not None and kv_in.get(KV_READ_STATS):
                     kv_out = {KV_READ_STATS: read_stats}
                 if done and self.last_output_delay:
                     await asyncio.sleep(self.last_output_delay)

@@ -264,7 +264,9 @@ class Output(_Msg):
 # In a decode leg's last kv_transfer_params: [tokens its engine had cached itself, tokens whose
 # KV it read from the prefill worker, when the read was asked for and when it was done (the
 # worker host's monotonic clock; 0: not seen), 1 if the read was inside the step that computed
-# the next position, else 0] (pdserve/kv/cpu_nixl.py, on the decode side).
+# the next position, else 0] (pdserve/kv/cpu_nixl.py, on the decode side). Only when the
+# request's own kv_transfer_params asked for it with this key set to true, as a pdserve worker's
+# decode leg does: any other server loading the connector would hand them to its clients.
 KV_READ_STATS = "pdserve_kv_read"
 
 # In the kv_transfer_params of a request a prefill worker sends its own engine, finished at once:

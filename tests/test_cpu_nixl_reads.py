@@ -16,6 +16,7 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.outputs import KVConnectorOutput
 
 from pdserve.kv import cpu_nixl
+from pdserve.protocol import KV_READ_STATS
 
 
 class FakeClock:
@@ -219,10 +220,15 @@ def scheduler(monkeypatch):
 BLOCK = 128
 
 
-def request(req_id: str, engine: str = "P", context: int = 300, extra: int = 1):
-    """A decode leg: the prefill's context, plus `extra` tokens (1: the prefill's token)."""
-    return SimpleNamespace(request_id=req_id, num_tokens=context + extra, kv_transfer_params={
-        "do_remote_prefill": True, "remote_num_tokens": context, "remote_engine_id": engine})
+def request(req_id: str, engine: str = "P", context: int = 300, extra: int = 1,
+            asks_stats: bool = True):
+    """A decode leg: the prefill's context, plus `extra` tokens (1: the prefill's token); it
+    asks for the read's stats as a pdserve worker's does (`asks_stats`)."""
+    params = {"do_remote_prefill": True, "remote_num_tokens": context, "remote_engine_id": engine}
+    if asks_stats:
+        params[KV_READ_STATS] = True
+    return SimpleNamespace(request_id=req_id, num_tokens=context + extra,
+                           kv_transfer_params=params)
 
 
 def blocks(hashed: list[bool]) -> KVCacheBlocks:
@@ -256,7 +262,22 @@ def test_an_idle_engine_reads_in_step_from_a_peer_it_has_read_from(scheduler):
     c.update_connector_output(out)
     assert out.finished_recving == set()  # the scheduler would take it for a waiting request
     _, params = c.request_finished(request("second"), [])
-    assert params["pdserve_kv_read"][3:] == [12.5, 1.0]  # landed when the worker saw it
+    assert params[KV_READ_STATS][3:] == [12.5, 1.0]  # landed when the worker saw it
+
+
+def test_a_read_is_reported_only_to_a_request_that_asked(scheduler):
+    """A decode request from any other server loading the connector (vllm serve behind a proxy)
+    ends with the kv_transfer_params vLLM's NIXL gives it: that server hands them to its
+    client."""
+    c = scheduler
+    for name, asks in (("pdserve's", True), ("another server's", False)):
+        schedule(c, request(name, asks_stats=asks))
+        c.update_connector_output(KVConnectorOutput(finished_recving={name}))
+    _, ours = c.request_finished(request("pdserve's"), [])
+    _, theirs = c.request_finished(request("another server's", asks_stats=False), [])
+    assert ours[KV_READ_STATS][:2] == [0, 300]  # nothing cached here, the prompt read
+    assert theirs is None  # as vLLM's NixlConnector ends a decode request
+    assert c._reads == {}  # neither is remembered past its end
 
 
 def test_an_in_step_read_reads_the_blocks_vllm_cached_as_it_allocated_them(scheduler):

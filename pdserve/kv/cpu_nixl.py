@@ -437,6 +437,6 @@ class PDCpuNixlConnector(NixlPullConnector):
         self._source.pop(request.request_id, None)
         self._in_step_chosen.pop(request.request_id, None)
         read = self._reads.pop(request.request_id, None)
-        if read is None:
+        if read is None or not (request.kv_transfer_params or {}).get(KV_READ_STATS):
             return params
         return {**(params or {}), KV_READ_STATS: read}

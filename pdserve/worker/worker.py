@@ -53,7 +53,16 @@ from vllm.exceptions import VLLMClientError
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from pdserve import protocol, transport
-from pdserve.protocol import ErrorKind, Output, Outputs, Phase, Role, SeqDelta, TokenLogprob
+from pdserve.protocol import (
+    KV_READ_STATS,
+    ErrorKind,
+    Output,
+    Outputs,
+    Phase,
+    Role,
+    SeqDelta,
+    TokenLogprob,
+)
 from pdserve.worker.discovery import Discovery, siblings
 from pdserve.worker.engine import FORCED_TOKENS_ARG, Engine, decode_params
 
@@ -810,7 +819,7 @@ def _params_for_phase(params, msg: protocol.Generate):
     elif msg.phase in (Phase.DECODE, Phase.RELEASE):
         if not isinstance(msg.kv_transfer_params, dict):
             raise ValueError("decode request without kv_transfer_params")
-        extra["kv_transfer_params"] = dict(msg.kv_transfer_params)
+        extra["kv_transfer_params"] = {**msg.kv_transfer_params, KV_READ_STATS: True}
     params.extra_args = extra or None
     return params
 

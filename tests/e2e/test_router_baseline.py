@@ -49,6 +49,32 @@ def test_the_router_baseline_hands_the_kv_over_and_streams_one_engines_answer(
         model_dir)
 
 
+def test_a_plain_vllm_servers_client_gets_only_vllms_kv_transfer_params(router, model_dir):
+    """P then D by hand, as a proxy does: the decode server's answer carries no pdserve field
+    (the connector reports a read only to a pdserve worker, which asks for it)."""
+    prompt = prompt_ids(2 * 128 + 9, seed=27182)  # no other test's seed
+    body = {"model": model_dir, "prompt": prompt, "max_tokens": 1, "temperature": 0,
+            "kv_transfer_params": {"do_remote_decode": True}}
+    handed = post_json(router.servers[0].base_url + "/v1/completions", body)["kv_transfer_params"]
+    assert handed["remote_block_ids"]  # the prefill engine holds the prompt's KV
+    reads, _ = scrape.nixl_reads(router.decode_url)
+    answer = post_json(router.decode_url + "/v1/completions",
+                       {**body, "max_tokens": 4, "kv_transfer_params": handed})
+    assert scrape.nixl_reads(router.decode_url)[0] - reads == 1  # its KV was read
+    assert answer["choices"][0]["finish_reason"] == "length"
+    assert answer.get("kv_transfer_params") is None  # as vLLM's NixlConnector ends a decode
+
+
+def post_json(url: str, body: dict) -> dict:
+    import json
+    import urllib.request
+
+    req = urllib.request.Request(url, json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.load(r)
+
+
 def block_size(base: str) -> int:
     """The engine's KV block size, from vLLM's `vllm:cache_config_info`."""
     import urllib.request
