@@ -33,7 +33,7 @@ import uuid
 import weakref
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.v1.engine.exceptions import EngineDeadError
 
@@ -41,6 +41,9 @@ from pdserve.fake_cache import FakePrefixCache
 from pdserve.protocol import KV_READ_STATS, EngineInfo, Load, Role
 from pdserve.worker.engine import FORCED_TOKENS_ARG, EngineProbe, expected_info
 from pdserve.worker.kv_events import KvEventSource
+
+if TYPE_CHECKING:
+    from vllm.outputs import CompletionOutput
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +75,12 @@ def token_text(token: int) -> str:
     return f" t{token}"
 
 
+def part_of_a_character(token: int) -> bool:
+    """With `split_characters`: a token whose text is sent with the next token's, as vLLM's
+    detokenizer sends a byte that begins a UTF-8 character."""
+    return token % 3 == 0
+
+
 def fake_info(**overrides: Any) -> EngineInfo:
     fields: dict[str, Any] = {"model": MODEL, "tokenizer": MODEL, "block_size": 16,
                               "dtype": "float32", "kv_connector": "nixl", "max_model_len": 4096}
@@ -95,8 +104,9 @@ class _Sampler:
     eos and stop tokens end a sequence (min_tokens masks them until it is reached), then
     max_tokens, then stop strings (checked after min_tokens, on the text)."""
 
-    def __init__(self, params, eos: int, vocab_size: int):
+    def __init__(self, params, eos: int, vocab_size: int, split_characters: bool = False):
         self.p = params
+        self.split = split_characters  # see FakeEngine
         own_eos = params.eos_token_id
         self.eos = None if params.ignore_eos else (eos if own_eos is None else own_eos)
         self.stops = set(params.stop_token_ids or ())
@@ -112,6 +122,7 @@ class _Sampler:
     def step(self, context: list[int]) -> tuple[int, str]:
         """Sample one token after `context`; return it and the new text (a delta)."""
         out, p = self.out, self.p
+        before = len(out.text)
         banned = self.stops | ({self.eos} if self.eos is not None else set())
         tok = self.rng.randrange(self.vocab) if self.rng else next_token(context, self.vocab)
         if len(out.token_ids) < len(self.forced):  # as worker/first_token.py makes vLLM do
@@ -139,6 +150,8 @@ class _Sampler:
         # As vLLM's detokenizer, hold back text that may yet turn out to start a stop string.
         end = len(out.text) if out.finish_reason else max(self._emitted,
                                                           len(out.text) - self._holdback)
+        if self.split and not out.finish_reason and part_of_a_character(tok):
+            end = max(self._emitted, min(end, before))  # its text comes with the next token's
         delta = out.text[self._emitted:end]
         self._emitted = end
         return tok, delta
@@ -162,6 +175,18 @@ class _Hold:
     deadline: float
 
 
+def _merged(a: CompletionOutput, b: CompletionOutput) -> CompletionOutput:
+    """Two DELTA outputs of one sequence as one, as vLLM's output collector merges them."""
+    from vllm.outputs import CompletionOutput
+
+    lps = None if a.logprobs is None and b.logprobs is None else [*(a.logprobs or []),
+                                                                  *(b.logprobs or [])]
+    return CompletionOutput(index=b.index, text=a.text + b.text,
+                            token_ids=[*a.token_ids, *b.token_ids],
+                            cumulative_logprob=b.cumulative_logprob, logprobs=lps,
+                            finish_reason=b.finish_reason, stop_reason=b.stop_reason)
+
+
 class FakeEngineDead(EngineDeadError):
     """As vLLM's: every stream and health check of a dead engine raises it."""
 
@@ -176,7 +201,8 @@ class FakeEngine:
                  hold_timeout: float = 120.0, fail_after_tokens: int | None = None,
                  stall_after_tokens: int | None = None, kv_events: bool = True,
                  max_seqs: int = 0, last_output_delay: float = 0.0, kv_read_delay: float = 0.0,
-                 prefill_in_turn: bool = False):
+                 prefill_in_turn: bool = False, split_characters: bool = False,
+                 tokens_per_output: int = 1):
         self.info = info or fake_info()
         self.address = address
         self.kv_port = kv_port
@@ -202,6 +228,11 @@ class FakeEngine:
         # all at once.
         self._prefill_turn: contextlib.AbstractAsyncContextManager = (
             asyncio.Lock() if prefill_in_turn else contextlib.nullcontext())
+        # Text as a real tokenizer's can come: some tokens' text only with the next token
+        # (part_of_a_character); and outputs of several tokens, as vLLM's output collector
+        # merges those its reader has not taken yet.
+        self.split_characters = split_characters
+        self.tokens_per_output = tokens_per_output
         # Cleared while the engine is frozen (its process stopped, as by SIGSTOP): nothing
         # steps, nor answers its worker's probe, and a read of its KV waits (its connection
         # stays up) until it is thawed.
@@ -273,7 +304,8 @@ class FakeEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params,
                        ) -> AsyncIterator[Any]:
-        """Stream DELTA RequestOutputs, one token each. Only n=1 (what PDWorker sends)."""
+        """Stream DELTA RequestOutputs, of `tokens_per_output` tokens each. Only n=1 (what
+        PDWorker sends)."""
         from vllm.outputs import CompletionOutput, RequestOutput
 
         self._check_alive()
@@ -309,7 +341,8 @@ class FakeEngine:
             self._active[request_id] = self._blocks(len(prompt))
             self.served.append(request_id)
             self.received.append((prompt, p))
-            sampler = _Sampler(p, self.eos_token_id, self.vocab_size)
+            sampler = _Sampler(p, self.eos_token_id, self.vocab_size, self.split_characters)
+            merged: CompletionOutput | None = None
             context = list(prompt)
             async with self._prefill_turn:
                 await asyncio.sleep(self.prefill_delay_per_token * (len(prompt) - cached))
@@ -356,9 +389,13 @@ class FakeEngine:
                     cumulative_logprob=sampler.out.cumulative_logprob if lps else None,
                     logprobs=lps, finish_reason=sampler.out.finish_reason,
                     stop_reason=sampler.out.stop_reason)
-                yield RequestOutput(request_id, None, prompt, plp, [out], finished=done,
-                                    num_cached_tokens=cached, kv_transfer_params=kv_out)
-                plp = None
+                if merged is not None:
+                    out = _merged(merged, out)
+                merged = None if done or len(out.token_ids) >= self.tokens_per_output else out
+                if merged is None:
+                    yield RequestOutput(request_id, None, prompt, plp, [out], finished=done,
+                                        num_cached_tokens=cached, kv_transfer_params=kv_out)
+                    plp = None
                 if done:
                     return
                 await self._next_step()  # also lets aborts land

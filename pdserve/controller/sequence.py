@@ -42,6 +42,7 @@ from pdserve.controller.phases import HandoffClock
 from pdserve.controller.pool import Leg, Pool, WorkerLost
 from pdserve.controller.receipts import Route, new_route
 from pdserve.controller.registry import Worker, WorkerState
+from pdserve.controller.resume import Resume, holdback
 from pdserve.controller.router import Cached, Policy
 from pdserve.controller.stream import Stream
 from pdserve.errors import NoWorkerAvailable, RequestFailed, StepTimeout
@@ -187,7 +188,7 @@ class Sequence:
         self.failed_on: set[str] = set()  # workers that failed this sequence: tried last
         self._streamed_text = ""  # text of the prefill's token, which decode reproduces
         self._given_logprob = 0.0  # of the prefill's token, when decode has it as context
-        self._text_upto = 0  # leading tokens of the stream whose text the client has
+        self._resume = Resume(holdback(params))  # where a migration may resume (resume.py)
         self.route: Route = new_route()  # where it went and why (receipts.py)
         self._keys: tuple[int, list[int]] | None = None  # (context length, its block keys)
         self._ctx: list[int] = prompt  # this attempt's context
@@ -377,15 +378,15 @@ class Sequence:
 
     def _plan(self) -> _Plan:
         done = self.stream.tokens(self.index)
-        # Tokens the client has without their text yet (held back by the detokenizer: part of a
-        # UTF-8 character, or of a possible stop string) are drawn again, not put in the
+        # Tokens the client may not have the whole text of (held back by the detokenizer: part
+        # of a UTF-8 character, or of a possible stop string) are drawn again, not put in the
         # context: their text would be lost, and a context ending inside a character makes
         # vLLM's detokenizer send the whole context as text (vllm-project/vllm#48853). All of
         # them are, when the sampler counts outputs: a grammar put back at its start, or
         # penalties forgetting what was said, would change the rest of the answer.
-        keep = 0 if _counts_outputs(self.params) else min(self._text_upto, len(done))
+        keep, kept_text = (0, 0) if _counts_outputs(self.params) else self._resume.point()
         first_attempt = not done and self.failures == 0
-        replay_text = "" if keep else self.stream.text(self.index)
+        replay_text = self.stream.text(self.index)[kept_text:]
         self._streamed_text, self._given_logprob = replay_text, 0.0
         return _Plan(ctx=self.prompt + done[:keep], replay=list(done[keep:]),
                      replay_text=replay_text,
@@ -769,8 +770,7 @@ class Sequence:
 
     def _add(self, d: SeqDelta) -> None:
         self.stream.add(d, self.index)
-        if d.text:  # (a delta of several tokens may still hold its last one back: rare)
-            self._text_upto = len(self.stream.tokens(self.index))
+        self._resume.add(len(d.token_ids), d.text)
 
     def _drop_seen(self, d: SeqDelta, skip: list[int], leg: Leg) -> SeqDelta:
         k = 0

@@ -88,6 +88,48 @@ async def test_a_migrated_stream_whose_sampler_counts_its_outputs_redraws_them_a
     await cluster.assert_clean()
 
 
+@pytest.mark.parametrize("after", [3, 7, 12])
+@pytest.mark.parametrize("stop", ["absent", "across"])
+async def test_a_migrated_stream_with_stop_strings_loses_no_held_back_text(cluster, after, stop):
+    # The detokenizer holds back the last characters while they could begin a stop string:
+    # the tokens they belong to are drawn again, with the stop string's whole window.
+    # "across": one that begins in the last token the first decode worker drew and ends in
+    # the next, so it is still being held back when that worker fails.
+    ref = fake.reference(PROMPT, greedy(30))
+    cut = len("".join(fake.token_text(t) for t in ref.token_ids[:after]))
+    word = ref.text[cut - 2:cut + 3] if stop == "across" else "never in the text"
+    assert ref.text.find(word) in (cut - 2, -1)
+    await cluster.add("prefill")
+    await cluster.add("decode", fail_after_tokens=after - 1)  # the prefill draws the first
+    await cluster.add("decode")
+    params = greedy(30, stop=[word])
+    outs = await cluster.run(PROMPT, params)
+    ref = fake.reference(PROMPT, params)
+    assert final_tokens(outs) == ref.token_ids
+    assert "".join(c.text for o in outs for c in o.outputs) == ref.text
+    assert outs[-1].outputs[0].finish_reason == ("stop" if stop == "across" else "length")
+    assert retries(cluster, "migration") == 1
+    await cluster.assert_clean()
+
+
+@pytest.mark.parametrize("after", [3, 6, 9, 12, 15])
+async def test_a_migrated_stream_loses_no_text_of_a_character_its_merged_outputs_cut(
+        cluster, after):
+    # Outputs of three tokens, as vLLM's collector merges those its reader has not taken: one
+    # may end with tokens that are part of a character, whose text has not come. They are
+    # drawn again, so their text comes with the next token's.
+    engine = {"split_characters": True}
+    await cluster.add("prefill", **engine)
+    await cluster.add("decode", fail_after_tokens=after, tokens_per_output=3, **engine)
+    await cluster.add("decode", **engine)
+    outs = await cluster.run(PROMPT, greedy(30))
+    ref = fake.reference(PROMPT, greedy(30))
+    assert final_tokens(outs) == ref.token_ids
+    assert "".join(c.text for o in outs for c in o.outputs) == ref.text
+    assert retries(cluster, "migration") == 1
+    await cluster.assert_clean()
+
+
 async def test_migrated_request_keeps_logprobs_and_stops_where_one_engine_stops(cluster):
     await cluster.add("prefill")
     await cluster.add("decode", fail_after_tokens=4)
