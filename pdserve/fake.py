@@ -33,7 +33,7 @@ import uuid
 import weakref
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from vllm.v1.engine.exceptions import EngineDeadError
 
@@ -41,9 +41,6 @@ from pdserve.fake_cache import FakePrefixCache
 from pdserve.protocol import KV_READ_STATS, EngineInfo, Load, Role
 from pdserve.worker.engine import FORCED_TOKENS_ARG, EngineProbe, expected_info
 from pdserve.worker.kv_events import KvEventSource
-
-if TYPE_CHECKING:
-    from vllm.outputs import CompletionOutput
 
 logger = logging.getLogger(__name__)
 
@@ -173,18 +170,6 @@ class _Hold:
     prompt: list[int]
     blocks: int
     deadline: float
-
-
-def _merged(a: CompletionOutput, b: CompletionOutput) -> CompletionOutput:
-    """Two DELTA outputs of one sequence as one, as vLLM's output collector merges them."""
-    from vllm.outputs import CompletionOutput
-
-    lps = None if a.logprobs is None and b.logprobs is None else [*(a.logprobs or []),
-                                                                  *(b.logprobs or [])]
-    return CompletionOutput(index=b.index, text=a.text + b.text,
-                            token_ids=[*a.token_ids, *b.token_ids],
-                            cumulative_logprob=b.cumulative_logprob, logprobs=lps,
-                            finish_reason=b.finish_reason, stop_reason=b.stop_reason)
 
 
 class FakeEngineDead(EngineDeadError):
@@ -342,7 +327,7 @@ class FakeEngine:
             self.served.append(request_id)
             self.received.append((prompt, p))
             sampler = _Sampler(p, self.eos_token_id, self.vocab_size, self.split_characters)
-            merged: CompletionOutput | None = None
+            merged: RequestOutput | None = None  # outputs not yet handed out
             context = list(prompt)
             async with self._prefill_turn:
                 await asyncio.sleep(self.prefill_delay_per_token * (len(prompt) - cached))
@@ -389,13 +374,16 @@ class FakeEngine:
                     cumulative_logprob=sampler.out.cumulative_logprob if lps else None,
                     logprobs=lps, finish_reason=sampler.out.finish_reason,
                     stop_reason=sampler.out.stop_reason)
-                if merged is not None:
-                    out = _merged(merged, out)
-                merged = None if done or len(out.token_ids) >= self.tokens_per_output else out
+                ro = RequestOutput(request_id, None, prompt, plp, [out], finished=done,
+                                   num_cached_tokens=cached, kv_transfer_params=kv_out)
+                plp = None
                 if merged is None:
-                    yield RequestOutput(request_id, None, prompt, plp, [out], finished=done,
-                                        num_cached_tokens=cached, kv_transfer_params=kv_out)
-                    plp = None
+                    merged = ro
+                else:  # as vLLM's output collector merges what its reader has not taken
+                    merged.add(ro, aggregate=True)
+                if done or len(merged.outputs[0].token_ids) >= self.tokens_per_output:
+                    yield merged
+                    merged = None
                 if done:
                     return
                 await self._next_step()  # also lets aborts land

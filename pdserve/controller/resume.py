@@ -45,7 +45,6 @@ class Resume:
 
 def holdback(params) -> int:
     """Characters vLLM's detokenizer holds back from a stream with these sampling params."""
-    stops = [params.stop] if isinstance(params.stop, str) else params.stop or []
-    if not stops or params.include_stop_str_in_output:
+    if not params.stop or params.include_stop_str_in_output:  # SamplingParams: a list
         return 0
-    return max(len(s) for s in stops) - 1
+    return max(len(s) for s in params.stop) - 1
