@@ -68,3 +68,16 @@ def test_the_launcher_splits_the_cores_between_engines(n: int, cores: list[int],
     assert got == want
     pinned = [parse_cores(c) for c in got if c is not None]
     assert all(a.isdisjoint(b) for i, a in enumerate(pinned) for b in pinned[i + 1:])
+
+
+@pytest.mark.parametrize("spec, reason", [("4096", "none of these is a core this process may use"),
+                                          ("1-a", "bad core list")])
+def test_front_cores_a_worker_cannot_use_are_refused_before_its_engine_starts(
+        spec: str, reason: str) -> None:
+    """--front-cores applies once the engine has started; a wrong list is said at once."""
+    out = subprocess.run([sys.executable, "-m", "pdserve.cli", "worker", "--role", "decode",
+                          "--controller", "tcp://127.0.0.1:9", "--model", "/nonexistent",
+                          "--front-cores", spec], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert f"--front-cores {spec}: " in out.stderr and reason in out.stderr, out.stderr
+    assert "/nonexistent" not in out.stderr  # said before the model was even looked for

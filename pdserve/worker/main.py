@@ -68,6 +68,11 @@ def make_parser():
                         "0,2-3; the engine binds one compute thread per core (default on CPU "
                         "hosts: a core no other pdserve worker here holds, else the "
                         "least-claimed one, shared)")
+    g.add_argument("--front-cores", default=None,
+                   help="CPU cores for this worker's own process once its engine has started "
+                        "(CPU hosts; default: --cores): its engine keeps --cores. The worker "
+                        "relays every output of its engine; give it cores no engine computes on "
+                        "and that relay no longer shares a core with the engine's steps")
     g.add_argument("--kv-cache-gib", type=int, default=1, help="KV cache size on CPU hosts")
     g.add_argument("--no-kv-events", action="store_true",
                    help="do not publish the engine's prefix-cache events to the controllers "
@@ -163,6 +168,8 @@ async def run(args, starting: StartSignals) -> int:
                           engine_hung_after=args.engine_hung_after,
                           discovery_interval=args.discovery_interval)
         stop_on_signals(worker)
+        if args.front_cores is not None:
+            move_front(args.front_cores)
     except StoppedDuringStart as e:
         logger.warning("%s while the engine was starting: stopping it", e)
         if engine is not None:
@@ -296,6 +303,33 @@ def pin(cores: str) -> None:
         raise SystemExit(f"pdserve worker: --cores {cores}: {e}") from None
 
 
+def check_front_cores(cores: str) -> None:
+    """--front-cores is applied once the engine has started (~45 s on): say now what is wrong
+    with it, while this process may still use every core it was given."""
+    from pdserve.worker.engine import cpu_list, parse_cores
+
+    try:
+        wanted = parse_cores(cores)
+    except ValueError as e:
+        raise SystemExit(f"pdserve worker: --front-cores {cores}: {e}") from None
+    if not wanted & os.sched_getaffinity(0):
+        raise SystemExit(f"pdserve worker: --front-cores {cores}: none of these is a core this "
+                         f"process may use (it may use {cpu_list(os.sched_getaffinity(0))})")
+
+
+def move_front(cores: str) -> None:
+    """Move this process's threads (not its engine's processes, which keep --cores) to
+    --front-cores. Threads started later inherit the mask of the thread starting them."""
+    from pdserve.worker.engine import keep_to_cores, parse_cores
+
+    try:
+        keep_to_cores(parse_cores(cores))
+    except (ValueError, OSError) as e:  # checked at the start: the host's cores changed since
+        logger.warning("--front-cores %s: %s; this process stays on its engine's cores", cores, e)
+        return
+    logger.info("this worker's own process is on cores %s; its engine keeps its own", cores)
+
+
 def claim_cores(given: str | None) -> claims.Claim | None:
     """On a CPU host, this worker's claim on its cores (see pdserve.worker.cores): the --cores
     given, recorded so that workers claiming by themselves keep off them; else one core no
@@ -342,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
         Discovery(args.controller, args.controllers_file)
     except ValueError as e:  # no controller, or a bad URL
         parser.error(str(e))
+    if args.front_cores is not None:
+        check_front_cores(args.front_cores)
     claim = claim_cores(args.cores)  # held until this process ends
     if args.cores is None and claim is not None:
         args.cores = claim.spec  # as if given: pinned, and the engine binds one thread per core

@@ -8,7 +8,9 @@ import threading
 import time
 
 import pytest
-from procs import Proc, engine_core_pid, exited, free_port, get_json, pdserve, wait_for
+from pdserve.procfs import tree
+from procs import (Proc, engine_core_pid, exited, free_port, get_json, pdserve, thread_cpus,
+                   wait_for)
 from test_openai import complete, prompt_ids
 
 
@@ -179,3 +181,37 @@ def test_short_prompt_is_prefilled_locally(local_setup, ref_client, model_dir):
     assert "pdserve_local_prefills_total 1.0" in get_text(base + "/metrics")
     [w] = get_json(base + "/pd/workers")
     assert w["legs_total"] == 1  # one leg on one worker: no prefill leg, no handoff
+
+
+def test_a_worker_with_front_cores_relays_on_them_and_its_engine_keeps_its_core(
+        pd_server, pd_client, ref_client, model_dir, logs):
+    """--front-cores moves the worker's own process once its engine has started; the engine's
+    processes stay on --cores, and the answers it decodes are the plain engine's."""
+    extra = start_worker("decode-0-front", "decode", pd_server, model_dir, logs,
+                         "--front-cores", "0")
+    try:
+        wait_for(lambda: workers(pd_server).get("decode-0-front", {}).get("state") == "ready",
+                 300, "the worker with --front-cores", [extra])
+        assert thread_cpus(extra.pid) == {frozenset({0})}
+        engine = tree(engine_core_pid(extra.pid))  # with its model runners, if any
+        assert all(thread_cpus(p) == {frozenset({1})} for p in engine)
+        assert "this worker's own process is on cores 0" in extra.log()
+        # Two streams at once: least-loaded routing puts one on each decode worker.
+        prompt = prompt_ids(70, 9500)
+        ref, _ = complete(ref_client, model_dir, prompt, max_tokens=60, temperature=0)
+        before = workers(pd_server)["decode-0-front"]["legs_total"]
+        result = {}
+
+        def run(k):
+            result[k] = complete(pd_client, model_dir, prompt, max_tokens=60,
+                                 temperature=0)[0]
+
+        threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert result[0] == ref and result[1] == ref
+        assert workers(pd_server)["decode-0-front"]["legs_total"] > before
+    finally:
+        extra.stop()
