@@ -70,9 +70,9 @@ def make_parser():
                         "least-claimed one, shared)")
     g.add_argument("--front-cores", default=None,
                    help="CPU cores for this worker's own process once its engine has started "
-                        "(CPU hosts; default: --cores): its engine keeps --cores. The worker "
-                        "relays every output of its engine; give it cores no engine computes on "
-                        "and that relay no longer shares a core with the engine's steps")
+                        "(default: where --cores put it); its engine keeps --cores. The worker "
+                        "relays every output of its engine: on cores no engine computes on, "
+                        "that relay no longer takes turns with the engine's steps")
     g.add_argument("--kv-cache-gib", type=int, default=1, help="KV cache size on CPU hosts")
     g.add_argument("--no-kv-events", action="store_true",
                    help="do not publish the engine's prefix-cache events to the controllers "
