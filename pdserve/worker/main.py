@@ -312,9 +312,10 @@ def check_front_cores(cores: str) -> None:
         wanted = parse_cores(cores)
     except ValueError as e:
         raise SystemExit(f"pdserve worker: --front-cores {cores}: {e}") from None
-    if not wanted & os.sched_getaffinity(0):
+    usable = os.sched_getaffinity(0)
+    if not wanted & usable:
         raise SystemExit(f"pdserve worker: --front-cores {cores}: none of these is a core this "
-                         f"process may use (it may use {cpu_list(os.sched_getaffinity(0))})")
+                         f"process may use (it may use {cpu_list(usable)})")
 
 
 def move_front(cores: str) -> None:

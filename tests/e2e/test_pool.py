@@ -25,6 +25,21 @@ def start_worker(name, role, pd_server, model_dir, logs, *extra):
                               "--cores", "1", *extra), logs)
 
 
+def streams_at_once(pd_client, model_dir, prompt, max_tokens, n=2):
+    """`n` greedy completions of `prompt` started at once: their answers by index (filled in
+    as they end) and the threads to join."""
+    result: dict[int, list] = {}
+
+    def run(k):
+        result[k] = complete(pd_client, model_dir, prompt, max_tokens=max_tokens,
+                             temperature=0)[0]
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(n)]
+    for t in threads:
+        t.start()
+    return result, threads
+
+
 def workers(pd_server) -> dict[str, dict]:
     return {w["id"]: w for w in get_json(pd_server.base + "/pd/workers")}
 
@@ -50,15 +65,7 @@ def test_added_decode_worker_shares_the_load_then_drains(pd_server, pd_client, r
         prompt = prompt_ids(80, 9100)
         ref, _ = complete(ref_client, model_dir, prompt, max_tokens=300, temperature=0)
         # Two streams at once: least-loaded routing puts one on each decode worker.
-        result = {}
-
-        def run(k):
-            result[k] = complete(pd_client, model_dir, prompt, max_tokens=300,
-                                 temperature=0)[0]
-
-        threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
-        for t in threads:
-            t.start()
+        result, threads = streams_at_once(pd_client, model_dir, prompt, 300)
         wait_for(lambda: workers(pd_server)["decode-0-extra"]["inflight"] > 0, 60,
                  "a stream to reach the extra worker")
         extra.signal(signal.SIGTERM)
@@ -91,15 +98,7 @@ def test_killed_worker_is_dead_within_expiry_and_requests_go_on(pd_server, pd_cl
         # still gets exactly the plain engine's tokens.
         prompt = prompt_ids(90, 9300)
         ref, _ = complete(ref_client, model_dir, prompt, max_tokens=400, temperature=0)
-        result = {}
-
-        def run(k):
-            result[k] = complete(pd_client, model_dir, prompt, max_tokens=400,
-                                 temperature=0)[0]
-
-        threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
-        for t in threads:
-            t.start()
+        result, threads = streams_at_once(pd_client, model_dir, prompt, 400)
         wait_for(lambda: workers(pd_server)["decode-0-victim"]["inflight"] > 0, 60,
                  "a stream to reach the victim")
         time.sleep(0.3)
@@ -200,15 +199,7 @@ def test_a_worker_with_front_cores_relays_on_them_and_its_engine_keeps_its_core(
         prompt = prompt_ids(70, 9500)
         ref, _ = complete(ref_client, model_dir, prompt, max_tokens=60, temperature=0)
         before = workers(pd_server)["decode-0-front"]["legs_total"]
-        result = {}
-
-        def run(k):
-            result[k] = complete(pd_client, model_dir, prompt, max_tokens=60,
-                                 temperature=0)[0]
-
-        threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
-        for t in threads:
-            t.start()
+        result, threads = streams_at_once(pd_client, model_dir, prompt, 60)
         for t in threads:
             t.join(120)
         assert result[0] == ref and result[1] == ref
