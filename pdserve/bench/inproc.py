@@ -7,7 +7,7 @@ in a producer task, go into vLLM's own `RequestOutputCollector` (which merges DE
 the server falls behind, as AsyncLLM's output handler does), and `generate()` drains it as
 AsyncLLM.generate does. So the server process pays what vLLM's front end pays per token (its
 serving layer, the SSE chunks, the collector) plus the fake engine's own work, and nothing of
-pdserve's controller.
+pdserve's controller. It runs on uvloop, as `vllm serve` does (and pdserve's controller).
 
     python -m pdserve.bench.inproc --model MODEL --port 8000 --decode-delay 0.01
 """
@@ -21,6 +21,7 @@ from collections.abc import AsyncGenerator, Iterable
 from http import HTTPStatus
 from typing import Any
 
+import uvloop
 from vllm.engine.protocol import EngineClient
 from vllm.exceptions import GracefulHTTPError
 from vllm.sampling_params import RequestOutputKind
@@ -237,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     validate_parsed_serve_args(args)
     try:
-        asyncio.run(serve(args))
+        uvloop.run(serve(args))  # as `vllm serve`
     except KeyboardInterrupt:
         pass
 

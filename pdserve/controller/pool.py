@@ -27,6 +27,7 @@ import zmq.asyncio
 
 from pdserve import protocol, transport
 from pdserve.controller.kvindex import KVIndex
+from pdserve.controller.mailbox import Mailbox
 from pdserve.controller.registry import Registry, Worker, WorkerState
 from pdserve.protocol import EngineInfo, Role
 
@@ -68,7 +69,7 @@ class Leg:
 
     id: str
     worker: Worker
-    queue: asyncio.Queue
+    queue: Mailbox
     done: bool = False
     outputs: int = 0  # Output messages that carried output (not an error) so far
     prefill_tokens: int = 0  # tokens it prefills, counted in its worker's queue until it outputs
@@ -162,7 +163,7 @@ class Pool:
     def send(self, worker: Worker, msg: protocol.Generate, prefill_tokens: int = 0) -> Leg:
         """Start a leg; raises WorkerLost at once if the worker cannot be reached.
         `prefill_tokens`: the prompt tokens it prefills (a prefill or local leg)."""
-        leg = Leg(msg.request_id, worker, asyncio.Queue(), prefill_tokens=prefill_tokens,
+        leg = Leg(msg.request_id, worker, Mailbox(), prefill_tokens=prefill_tokens,
                   waits_since=asyncio.get_running_loop().time())
         self.legs[leg.id] = leg
         if prefill_tokens:

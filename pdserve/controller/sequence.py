@@ -26,6 +26,7 @@ engine's (TTFT then includes the handoff).
 from __future__ import annotations
 
 import asyncio
+import copy
 import enum
 import logging
 import time
@@ -146,7 +147,9 @@ def kv_only_params(params, *, prompt_logprobs: bool) -> bytes:
 
 
 def leg_params(params, *, max_tokens: int, min_tokens: int, prompt_logprobs: bool) -> bytes:
-    p = params.clone()
+    # A shallow copy, not SamplingParams.clone's deep one (two per request): only attributes
+    # of the copy are set below, nothing they point to is changed.
+    p = copy.copy(params)
     p.n = 1
     p.max_tokens = max_tokens
     p.min_tokens = min(min_tokens, max_tokens)

@@ -15,6 +15,7 @@ import socket
 import sys
 from pathlib import Path
 
+import uvloop
 from fastapi.responses import HTMLResponse, JSONResponse
 
 from pdserve import transport
@@ -399,6 +400,6 @@ def main(argv: list[str] | None = None) -> None:
                                          args.shutdown_timeout))
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
-        asyncio.run(serve(args))
+        uvloop.run(serve(args))  # the event loop vLLM's own server runs on
     except KeyboardInterrupt:
         pass

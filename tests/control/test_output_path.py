@@ -16,6 +16,7 @@ from vllm.exceptions import GracefulHTTPError
 from vllm.sampling_params import RequestOutputKind
 
 from pdserve import fake, transport
+from pdserve.controller.mailbox import Mailbox
 from pdserve.controller.stream import Stream
 from pdserve.protocol import SeqDelta
 
@@ -128,3 +129,27 @@ def test_a_cumulative_output_is_a_copy():
     s.add(_d([6], finish="stop"))
     assert first.outputs[0].token_ids == [5] and first.outputs[0].text == " t5"
     assert s.emit().outputs[0].token_ids == [5, 6]
+
+
+async def test_a_mailbox_hands_its_items_over_in_order_and_wakes_its_reader():
+    box = Mailbox()
+    box.put_nowait(1)
+    box.put_nowait(2)
+    assert (box.qsize(), box.get_nowait(), await box.get()) == (2, 1, 2)
+    assert box.empty()
+    reader = asyncio.create_task(box.get())
+    await asyncio.sleep(0)
+    assert not reader.done()  # it waits for the next item
+    box.put_nowait(3)
+    assert await asyncio.wait_for(reader, 1) == 3
+
+
+async def test_a_mailbox_keeps_what_comes_after_its_reader_was_cancelled():
+    box = Mailbox()
+    reader = asyncio.create_task(box.get())
+    await asyncio.sleep(0)
+    reader.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await reader
+    box.put_nowait("late")  # the cancelled reader's wait must not swallow it
+    assert await asyncio.wait_for(box.get(), 1) == "late"
