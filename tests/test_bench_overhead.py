@@ -65,6 +65,15 @@ def test_part_c_table():
     assert "25 us of CPU per token" in md
 
 
+def test_part_c_gives_each_servers_median_ratio_over_its_rounds():
+    rows = [{"server": s, "concurrency": 32, "round": i, "x_vllm": x}
+            for i, (s, x) in enumerate([("vllm", 1.0), ("pdserve 1P1D", 1.3), ("vllm", 1.0),
+                                        ("pdserve 1P1D", 1.1), ("pdserve 1P1D", 1.5)])]
+    assert overhead.ratios_by_server(rows) == [("pdserve 1P1D", 32, [1.3, 1.1, 1.5])]
+    md = overhead.markdown({"command": "c", "model": "m", "c": {"workload": "w", "rows": []}})
+    assert "median" not in md  # no rounds, no median
+
+
 def test_vllms_own_server_runs_its_model_as_a_worker_engine_does(tmp_path, monkeypatch):
     """The baseline that a worker's engine is measured against gets the same executor on a CPU
     host (one process), unless the bench is told otherwise; elsewhere vLLM chooses."""

@@ -20,6 +20,7 @@ import datetime
 import json
 import logging
 import shlex
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -264,6 +265,17 @@ def _cost_row(name: str, group: str, concurrency: int, rnd: int, run: dict[str, 
             "itl_p50_ms": s["itl"]["p50"], "itl_p99_ms": s["itl"]["p99"]}
 
 
+def ratios_by_server(rows: list[dict[str, Any]]) -> list[tuple[str, int, list[float]]]:
+    """Each of pdserve's servers' ratios to vLLM's server, round by round, per level: one
+    round's ratio moves with the machine (others' jobs, the VM's neighbours), their median
+    less."""
+    by: dict[tuple[str, int], list[float]] = {}
+    for r in rows:
+        if r["server"] != "vllm" and "x_vllm" in r:
+            by.setdefault((r["server"], r["concurrency"]), []).append(r["x_vllm"])
+    return [(server, level, ratios) for (server, level), ratios in by.items()]
+
+
 def markdown(res: dict[str, Any]) -> str:
     out = ["# pdserve bench overhead", "", f"- command: `{res['command']}`",
            f"- model: `{res['model']}`", ""]
@@ -312,6 +324,10 @@ def markdown(res: dict[str, Any]) -> str:
                        f"| {r['client_core_pct']:.0f} | {r['others_core_pct']:.0f} "
                        f"| {report.fmt_ms(r['itl_p50_ms'])} / {report.fmt_ms(r['itl_p99_ms'])} "
                        f"| {r['failed']} |")
+        for server, level, ratios in ratios_by_server(c.get("rows", [])):
+            out.append(f"\n{server}, {level} in flight: {statistics.median(ratios):.2f}x vLLM's "
+                       f"server's CPU per token, the median of {len(ratios)} rounds "
+                       f"({min(ratios):.2f}-{max(ratios):.2f}).")
         for lvl, us in c.get("engine_us_per_token", {}).items():
             out.append(f"\nThe fake engine alone (in-process, {lvl} in flight, same pacing): "
                        f"{us:.0f} us of CPU per token, included in vLLM's server's figure.")
