@@ -28,9 +28,6 @@ class Mailbox:
     def empty(self) -> bool:
         return not self._items
 
-    def qsize(self) -> int:
-        return len(self._items)
-
     def get_nowait(self) -> Any:
         """The oldest item; IndexError when there is none."""
         return self._items.popleft()
