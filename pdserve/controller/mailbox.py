@@ -1,4 +1,4 @@
-"""A leg's inbox: asyncio.Queue's interface for one reader, at a fraction of its cost.
+"""A leg's inbox: asyncio.Queue's interface for one reader, with less work per item.
 
 Every output of every stream passes through one (pool.py puts, sequence.py reads). A queue
 with one reader and no bound needs no list of waiting getters and putters, no task
