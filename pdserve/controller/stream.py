@@ -5,8 +5,9 @@ FINAL_ONLY (non-streaming). A `Stream` keeps what one request has produced so fa
 answer in any kind, report what the client has seen (for migration), and never emit a token twice.
 
 This runs once per token of every stream the controller carries: a delta is appended without
-copies, a sequence's text is joined only when a whole output is asked for, and a DELTA output is
-built from lists that belong to it alone (no copy when it is handed out).
+copies, a sequence's text is joined only when a whole output is asked for, and a DELTA stream
+gathers what is new straight into the CompletionOutput it hands out next (its lists are that
+output's alone).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def _lp_dict(entries: list[TokenLogprob]) -> dict[int, Logprob]:
 
 
 class _Seq:
-    """One sequence's output: everything so far, or (DELTA) what arrived since the last emit."""
+    """One sequence's output so far."""
 
     __slots__ = ("index", "_text", "token_ids", "logprobs", "cumulative_logprob",
                  "finish_reason", "stop_reason")
@@ -57,7 +58,8 @@ class Stream:
         self.seqs = [_Seq(i, [] if want_logprobs else None) for i in range(n)]
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
         self.num_cached_tokens: int | None = None
-        self._pending: dict[int, _Seq] = {}  # DELTA kind: what arrived since the last emit
+        # DELTA kind: what arrived since the last emit, by sequence, as it will go out.
+        self._pending: dict[int, CompletionOutput] = {}
         self._running = n  # sequences without a finish reason
         self._emitted = False
 
@@ -96,10 +98,13 @@ class Stream:
         if self._delta:
             p = self._pending.get(seq.index)
             if p is None:
-                p = self._pending[seq.index] = _Seq(seq.index,
-                                                    [] if new_lps is not None else None)
-            if delta.text:
-                p._text.append(delta.text)
+                self._pending[seq.index] = CompletionOutput(
+                    seq.index, delta.text, list(delta.token_ids), seq.cumulative_logprob,
+                    new_lps, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+                return
+            # Deltas the server has not taken yet are merged as vLLM's output collector
+            # merges them (RequestOutput.add): a few at most, while its reader is busy.
+            p.text += delta.text
             p.token_ids += delta.token_ids
             if new_lps is not None and p.logprobs is not None:
                 p.logprobs += new_lps
@@ -113,21 +118,16 @@ class Stream:
                 return None
             pending = self._pending
             self._pending = {}
-            # Its lists are this output's alone: handed out without a copy.
-            return self._output([pending[i] for i in sorted(pending)] if len(pending) > 1
-                                else list(pending.values()), copy=False)
+            return self._output(list(pending.values()) if len(pending) == 1
+                                else [pending[i] for i in sorted(pending)])
         if self.kind == RequestOutputKind.FINAL_ONLY and not self.finished:
             return None
-        return self._output(self.seqs, copy=True)
+        return self._output([CompletionOutput(
+            s.index, s.text, list(s.token_ids), s.cumulative_logprob,
+            list(s.logprobs) if s.logprobs is not None else None,
+            finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in self.seqs])
 
-    def _output(self, seqs: list[_Seq], copy: bool) -> RequestOutput:
-        outs = [CompletionOutput(index=s.index, text=s.text,
-                                 token_ids=list(s.token_ids) if copy else s.token_ids,
-                                 cumulative_logprob=s.cumulative_logprob,
-                                 logprobs=(list(s.logprobs) if copy and s.logprobs is not None
-                                           else s.logprobs),
-                                 finish_reason=s.finish_reason, stop_reason=s.stop_reason)
-                for s in seqs]
+    def _output(self, outs: list[CompletionOutput]) -> RequestOutput:
         # A DELTA stream carries the prompt logprobs once, in its first output (as vLLM does).
         prompt_lps = self.prompt_logprobs
         if self._delta and self._emitted:

@@ -35,6 +35,22 @@ def test_delta_emits_only_what_is_new():
     assert s.tokens() == [5, 6, 7]
 
 
+def test_delta_outputs_not_taken_yet_merge_into_one_that_owns_its_lists():
+    s = Stream("r", None, [1], DELTA, want_logprobs=True)
+    first = d([5], lps=True, cum=-0.5)
+    s.add(first)
+    s.add(d([6, 7], lps=True, cum=-1.5))
+    o = s.emit().outputs[0]
+    assert o.token_ids == [5, 6, 7] and o.text == " t5 t6 t7"
+    assert [list(lp) for lp in o.logprobs] == [[5], [6], [7]] and o.cumulative_logprob == -1.5
+    assert first.token_ids == [5]  # the worker's delta did not become the output's list
+    s.add(d([8], lps=True, cum=-2.0, finish="length"))
+    assert o.token_ids == [5, 6, 7] and len(o.logprobs) == 3  # what came next is not in it
+    last = s.emit().outputs[0]
+    assert last.token_ids == [8] and last.finish_reason == "length"
+    assert s.tokens() == [5, 6, 7, 8] and s.text() == " t5 t6 t7 t8"
+
+
 def test_cumulative_emits_everything_so_far():
     s = Stream("r", None, [1], CUMULATIVE)
     s.add(d([5]))
