@@ -298,12 +298,17 @@ def test_controller_phase_means_from_two_scrapes() -> None:
                 f'pdserve_kv_handoff_seconds_bucket{{le="+Inf"}} {n}\n'
                 f"pdserve_kv_handoff_seconds_count {n}\npdserve_kv_handoff_seconds_sum {total}\n"
                 "# TYPE pdserve_local_prefills counter\n"
-                f"pdserve_local_prefills_total {local}\n")
+                f"pdserve_local_prefills_total {local}\n"
+                "# TYPE pdserve_kv_reads counter\n"
+                f'pdserve_kv_reads_total{{mode="in_step"}} {2 * local}\n'
+                'pdserve_kv_reads_total{mode="own_step"} 1\n')
 
     d = scrape.delta(scrape.parse(text(2, 0.5, 1)), scrape.parse(text(6, 1.3, 4)))
     assert d["kv_handoff_mean_ms"] == pytest.approx(200.0)
     assert d["kv_handoff_count"] == 4
     assert d["pdserve_local_prefills_total"] == 3
+    assert d["pdserve_kv_reads_total{mode=in_step}"] == 6
+    assert "pdserve_kv_reads_total{mode=own_step}" not in d  # none during the run
 
 # ---- report --------------------------------------------------------------------------------
 
@@ -317,7 +322,9 @@ def _results(records: dict[tuple[str, float], list[Record]]) -> dict:
         cfg["runs"].append({"rate": rate, "summary": summarize(recs, 10.0, Slo()),
                             "by_class": summarize_by_class(recs, 10.0, Slo()),
                             "cpu": {"w": {"cpu_s": 5.0, "core_pct": 50.0}},
-                            "controller": {"kv_handoff_mean_ms": 12.0}})
+                            "controller": {"kv_handoff_mean_ms": 12.0,
+                                           "handoff_kv_read_mean_ms": 3.5,
+                                           "pdserve_kv_reads_total{mode=in_step}": 7.0}})
     return {"meta": {"slo": "ttft:2000 tpot:18", "command": "pdserve bench"}, "configs": configs}
 
 
@@ -341,6 +348,7 @@ def test_report_writes_json_markdown_and_plots(tmp_path: Path) -> None:
     assert "| 1P1D | 0.5 | 4 / 1 |" in md
     assert "| colocated | 1 | 4 / 1 |" in md
     assert "## Against the colocated baseline" in md
+    assert "| 3.5 | - | - | 7 / 0 |" in md  # kv_read, first_step, worker_out, the reads
 
 
 def test_comparison_uses_each_configurations_best_goodput() -> None:

@@ -1,7 +1,7 @@
 """The CPU connector's KV reads (pdserve/kv/cpu_nixl.py), with a fake NIXL worker and a fake
 clock: a step's reads go out before its forward, a step that ran no model reports a read that
-lands within its wait, and an idle decode engine reads a prompt's KV inside the step that
-computes the prompt's next position."""
+lands within its wait, and a decode engine reads a prompt's KV inside the step that computes the
+prompt's next position when no other stream would wait long for it."""
 
 from __future__ import annotations
 
@@ -73,6 +73,7 @@ def connector(transfers: dict[str, list[int]], nixl: FakeNixl):
     c = object.__new__(cpu_nixl.PDCpuNixlConnector)  # no engine: only the worker side is tested
     c.connector_worker = FakeWorker(nixl, transfers)
     c._connector_metadata, c._landed, c._post_early = None, {}, True
+    c._quick = {}
     return c
 
 
@@ -190,6 +191,22 @@ def test_a_steps_reads_are_posted_before_it_prepares_its_inputs_on_a_cpu(clock, 
         assert worker.posted == [] and list(meta.reqs_to_recv) == ["r", "other"]
     worker.start_load_kv(meta)  # vLLM's own call, after the forward
     assert worker.posted == ["r", "other"]  # each read posted once
+
+
+def test_each_read_posted_as_the_step_begins_is_reported_landed_as_posted_or_not(clock):
+    """What the scheduler learns of each peer: a read by cross-memory attach is copied inside
+    the call that posts it; one over TCP waits for the holder to answer."""
+    c = connector({}, FakeNixl({7: ["DONE"], 8: ["PROC", "DONE"], 9: ["ERR"]}))
+    worker = c.connector_worker
+    worker.handles.update(copied=7, moving=8, failed=9)
+    meta = NixlConnectorMetadata()
+    meta.reqs_to_recv = {"copied": "m", "moving": "m", "failed": "m", "handshaking": "m"}
+    worker.start_load_kv = lambda m: [worker._read_blocks_for_req(r, None)
+                                      for r in m.reqs_to_recv if r != "handshaking"]
+    c.handle_preemptions(meta)
+    assert c.build_connector_worker_meta().quick == {"copied": True, "moving": False,
+                                                    "failed": False}
+    assert c.build_connector_worker_meta() is None  # reported once
 
 
 # ---- the scheduler side chooses which reads are in-step ------------------------------------
@@ -318,6 +335,28 @@ def test_reads_stay_in_steps_of_their_own_when_the_engine_is_busy_or_the_peer_un
                                                 failed_recving={"to Q"}))
     c.request_finished(request("to Q", engine="Q"), [])
     assert schedule(c, request("again to Q", engine="Q"))
+
+
+def test_a_busy_engine_reads_in_step_only_from_a_peer_whose_last_read_landed_as_posted(
+        scheduler):
+    c = scheduler
+    schedule(c, request("streaming"))  # P's first read; it goes on streaming here
+    c.update_connector_output(KVConnectorOutput(finished_recving={"streaming"}))
+    assert schedule(c, request("busy"))  # nothing known of how P's reads land yet
+    c.build_connector_meta(None)
+    landed_as_posted = cpu_nixl.ReadsLanded({}, {"busy": True})
+    c.update_connector_output(KVConnectorOutput(finished_recving={"busy"},
+                                                kv_connector_worker_meta=landed_as_posted))
+    assert not schedule(c, request("next"))  # in the step, beside the other streams
+    assert getattr(c.build_connector_meta(None), cpu_nixl._IN_STEP) == {"next"}
+    c.update_connector_output(KVConnectorOutput(
+        finished_recving={"next"},
+        kv_connector_worker_meta=cpu_nixl.ReadsLanded({"next": 3.0}, {"next": False})))
+    assert schedule(c, request("after a slow one"))  # back to steps of its own
+    # The same engine emptied: an idle engine reads in step from any peer it knows.
+    for r in ("streaming", "busy", "next", "after a slow one"):
+        c.request_finished(request(r), [])
+    assert not schedule(c, request("alone"))
 
 
 def test_a_whole_prompt_read_in_step_leaves_its_last_position_to_the_step(scheduler):

@@ -180,9 +180,11 @@ def phase_table(results: Mapping[str, Any]) -> list[str]:
 
 
 def handoff_table(results: Mapping[str, Any]) -> list[str]:
-    """The handoff's phases (pdserve_handoff_phase_seconds), where a run has them."""
-    lines = ["| configuration | rate | " + " | ".join(f"{p} (ms)" for p in PHASES) + " |",
-             "|" + "---|" * (2 + len(PHASES))]
+    """The handoff's phases (pdserve_handoff_phase_seconds), where a run has them, and how
+    many of its KV reads were inside the step computing the next token (pdserve_kv_reads_total)."""
+    lines = ["| configuration | rate | " + " | ".join(f"{p} (ms)" for p in PHASES)
+             + " | reads in step / in steps of their own |",
+             "|" + "---|" * (3 + len(PHASES))]
     rows = 0
     for name, cfg in results["configs"].items():
         for run in cfg["runs"]:
@@ -190,8 +192,10 @@ def handoff_table(results: Mapping[str, Any]) -> list[str]:
             if not any(f"handoff_{p}_mean_ms" in c for p in PHASES):
                 continue
             rows += 1
+            reads = " / ".join(str(int(c.get(f"pdserve_kv_reads_total{{mode={mode}}}", 0)))
+                               for mode in ("in_step", "own_step"))
             lines.append(f"| {name} | {rate_label(run)} | " + " | ".join(
-                fmt_ms(c.get(f"handoff_{p}_mean_ms")) for p in PHASES) + " |")
+                fmt_ms(c.get(f"handoff_{p}_mean_ms")) for p in PHASES) + f" | {reads} |")
     return lines if rows else []
 
 

@@ -14,7 +14,7 @@ COUNTERS = ("pdserve_local_prefills_total", "pdserve_retries_total",
             "pdserve_requests_total", "pdserve_generation_tokens_total",
             "pdserve_prefix_cached_tokens_total", "pdserve_prompt_tokens_computed_total",
             "pdserve_kv_read_tokens_total", "pdserve_kv_transfer_bytes_sum",
-            "pdserve_routes_total", "pdserve_role_changes_total")
+            "pdserve_routes_total", "pdserve_role_changes_total", "pdserve_kv_reads_total")
 
 
 def parse(text: str) -> dict[str, float]:

@@ -100,7 +100,7 @@ class Metrics:
                                       "workers read from prefill workers", registry=r)
         self.kv_reads = Counter("pdserve_kv_reads", "KV reads by decode workers, by where "
                                 "the engine did them: in_step (inside the step computing the "
-                                "next token: an idle engine) or own_step (steps of their own)",
+                                "next token) or own_step (steps of their own)",
                                 ["mode"], registry=r)
         for mode in ("in_step", "own_step"):
             self.kv_reads.labels(mode)  # both series from the start, at 0

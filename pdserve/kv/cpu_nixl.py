@@ -11,7 +11,8 @@ This subclass is loaded through vLLM's out-of-tree hook (``kv_connector_module_p
 CPU platform it builds the agent with a progress thread that sleeps between polls (a decode
 engine's agent with none: its own thread moves its reads), puts the thread affinity back to what
 the engine had, posts each step's reads before its forward rather than after, and reads a
-prompt's KV into an idle decode engine inside the step that computes its next position. On any
+prompt's KV inside the step that computes its next position when no other stream waits for it
+(an idle decode engine, or a peer whose reads land as they are posted). On any
 platform it is loaded on (pdserve loads it on CPU hosts; GPU hosts get vLLM's NixlConnector) it
 fails the engine's start when its side-channel port is taken (vLLM would wait for it for good),
 caps a decode read at what the prefill computed, reports what each read moved and frees, when
@@ -108,8 +109,12 @@ _POLL_S = 50e-6
 # prompt's next position (vLLM's synchronous load: posted before the forward, which waits for it).
 # Read on its own (vLLM's asynchronous load), it is noticed at the end of a step that ran no
 # model, then the engine sleeps 1 ms and schedules the request at the next step: about 2-3 ms
-# more per handoff on an idle engine. With other requests in the engine the read stays
-# asynchronous, as waiting in their step would pause their streams.
+# more per handoff on an idle engine, a whole step more on a busy one. With other requests in
+# the engine the read is in the step only from a prefill engine whose last read had landed as it
+# was posted: UCX's cma (engines on one host) copies a read inside the call that posts it, which
+# the step makes before it prepares its inputs, so the others' forward does not wait for it. A
+# read over TCP never has (the holder must answer first; with small blocks UCX moves part of
+# some cma reads over TCP too), and its stalls would pause every stream in the engine.
 IN_STEP_READS = os.environ.get("PDSERVE_NIXL_IN_STEP_READS", "1") != "0"
 # A read in the step that has not landed by then stops the engine (its worker exits, `pdserve
 # serve` restarts it, the controller retries the leg): the step cannot compute without the KV,
@@ -131,13 +136,16 @@ class InStepReadTimeout(RuntimeError):
 
 
 class ReadsLanded(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: when each read inside this step landed (monotonic clock)."""
+    """Worker -> scheduler: when each read inside this step landed (monotonic clock), and for
+    each read posted as this step began, whether it had landed as it was posted."""
 
-    def __init__(self, landed: dict[str, float]):
+    def __init__(self, landed: dict[str, float], quick: dict[str, bool] | None = None):
         self.landed = landed
+        self.quick = quick or {}
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        return ReadsLanded({**self.landed, **getattr(other, "landed", {})})
+        return ReadsLanded({**self.landed, **getattr(other, "landed", {})},
+                           {**self.quick, **getattr(other, "quick", {})})
 
 
 def _as_unread(blocks: KVCacheBlocks, hits: int, held: int) -> KVCacheBlocks:
@@ -173,12 +181,15 @@ class PDCpuNixlConnector(NixlPullConnector):
         self._may_read_in_step = (current_platform.is_cpu() and IN_STEP_READS
                                   and len(getattr(kv_cache_config, "kv_cache_groups", ())) == 1)
         self._live: set[str] = set()
-        self._peers: dict[str, None] = {}  # least recently read from first, at most _MAX_PEERS
+        # Prefill engine -> whether its last read had landed as it was posted; the least
+        # recently read from first, at most _MAX_PEERS.
+        self._peers: dict[str, bool] = {}
         self._source: dict[str, str] = {}
         self._in_step_chosen: dict[str, int] = {}  # request id -> tokens the prefill holds
         self._in_step_next: set[str] = set()
         self._in_step_sent: set[str] = set()
         self._landed: dict[str, float] = {}  # worker side: in-step reads landed this step
+        self._quick: dict[str, bool] = {}  # worker side: reads posted this step, landed or not
         # Held blocks no decode will read (RELEASE_HELD). Scheduler side: the legs named since
         # the last step; worker side: the engine's requests freed in this step.
         self._releases: set[str] = set()
@@ -231,6 +242,7 @@ class PDCpuNixlConnector(NixlPullConnector):
             early = NixlConnectorMetadata()
             early.reqs_to_recv, kv_connector_metadata.reqs_to_recv = pending, {}
             self.connector_worker.start_load_kv(early)
+            self._note_quick(pending)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         # vLLM runs a step without a model (no attention metadata) only to move KV.
@@ -271,6 +283,21 @@ class PDCpuNixlConnector(NixlPullConnector):
                     f"{IN_STEP_TIMEOUT_S:.0f} s inside an engine step")
             time.sleep(_POLL_S)
 
+    def _note_quick(self, req_ids) -> None:
+        """Note whether each of these reads, just posted, has landed already (one whose peer's
+        handshake is under way is not posted)."""
+        worker = self.connector_worker
+        for req_id in req_ids:
+            if (handles := worker._recving_transfers.get(req_id)) is not None:
+                self._quick[req_id] = self._landed_whole(handles)
+
+    def _landed_whole(self, handles: list[int]) -> bool:
+        try:
+            return all(self.connector_worker.nixl_wrapper.check_xfer_state(h) == "DONE"
+                       for h in handles)
+        except Exception:
+            return False
+
     def _settled(self, req_id: str) -> bool:
         worker = self.connector_worker
         if req_id in worker._recv_failures or req_id in worker._failed_recv_reqs.queue:
@@ -291,7 +318,8 @@ class PDCpuNixlConnector(NixlPullConnector):
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         landed, self._landed = self._landed, {}
-        return ReadsLanded(landed) if landed else None
+        quick, self._quick = self._quick, {}
+        return ReadsLanded(landed, quick) if landed or quick else None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         if self._wait_for_reads:
@@ -366,14 +394,15 @@ class PDCpuNixlConnector(NixlPullConnector):
 
     def _read_in_step(self, request: Any) -> bool:
         """Whether this read can be in the step that computes the request's next position: the
-        engine holds no other request (nobody else's step waits for it), the peer was read from
-        before (no handshake inside the step) and the read lands straight in the engine's
-        blocks."""
+        peer was read from before (no handshake inside the step), the read lands straight in
+        the engine's blocks, and no other stream's step waits for it: the engine holds no other
+        request, or this peer's last read had landed as it was posted."""
         sched = self.connector_scheduler
-        return (self._may_read_in_step
-                and not self._live - {request.request_id}
-                and self._source.get(request.request_id) in self._peers
-                and sched is not None and not sched.use_host_buffer)
+        engine = self._source.get(request.request_id)
+        if not (self._may_read_in_step and engine in self._peers
+                and sched is not None and not sched.use_host_buffer):
+            return False
+        return self._peers[engine] or not self._live - {request.request_id}
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
         self._live.add(request.request_id)
@@ -402,23 +431,32 @@ class PDCpuNixlConnector(NixlPullConnector):
     def update_connector_output(self, connector_output: Any) -> None:
         super().update_connector_output(connector_output)
         now = time.monotonic()
-        landed = getattr(connector_output.kv_connector_worker_meta, "landed", {})
+        worker_meta = connector_output.kv_connector_worker_meta
+        landed = getattr(worker_meta, "landed", {})
         finished = connector_output.finished_recving or set()
         failed = connector_output.failed_recving or set()
+        for req_id, quick in getattr(worker_meta, "quick", {}).items():
+            if (engine := self._source.get(req_id)) is not None:
+                self._read_from(engine, quick)
         for req_id in finished:
             if (read := self._reads.get(req_id)) is not None:
                 read[3] = landed.get(req_id, now)
             if req_id not in failed and (engine := self._source.get(req_id)) is not None:
-                self._peers.pop(engine, None)
-                self._peers[engine] = None  # the newest last
-                if len(self._peers) > _MAX_PEERS:  # prefill engines that came and went
-                    del self._peers[next(iter(self._peers))]
+                self._read_from(engine, None)
         if in_step := finished & self._in_step_sent:
             # The scheduler takes a finished read as a request waiting for it to be scheduled,
             # and an in-step read's request was scheduled with it. A failed one is failed by
             # vLLM from its blocks (invalid_block_ids).
             connector_output.finished_recving = finished - in_step
             self._in_step_sent -= in_step
+
+    def _read_from(self, engine: str, quick: bool | None) -> None:
+        """Remember a prefill engine as read from, the newest last; `quick`: whether its read
+        had landed as it was posted (None: as known before)."""
+        known = self._peers.pop(engine, False)
+        self._peers[engine] = known if quick is None else quick
+        if len(self._peers) > _MAX_PEERS:  # prefill engines that came and went
+            del self._peers[next(iter(self._peers))]
 
     def request_finished(self, request: Any, block_ids: Any):
         if self._asks_release(request):
