@@ -337,7 +337,7 @@ def test_reads_stay_in_steps_of_their_own_when_the_engine_is_busy_or_the_peer_un
     assert schedule(c, request("again to Q", engine="Q"))
 
 
-def test_a_busy_engine_reads_in_step_only_from_a_peer_whose_last_read_landed_as_posted(
+def test_a_busy_engine_reads_in_step_only_from_a_peer_one_of_whose_reads_landed_as_posted(
         scheduler):
     c = scheduler
     schedule(c, request("streaming"))  # P's first read; it goes on streaming here
@@ -349,14 +349,22 @@ def test_a_busy_engine_reads_in_step_only_from_a_peer_whose_last_read_landed_as_
                                                 kv_connector_worker_meta=landed_as_posted))
     assert not schedule(c, request("next"))  # in the step, beside the other streams
     assert getattr(c.build_connector_meta(None), cpu_nixl._IN_STEP) == {"next"}
+    # A read whose notice to the holder needed a later poll: still a copy, P's reads stay in step.
     c.update_connector_output(KVConnectorOutput(
         finished_recving={"next"},
         kv_connector_worker_meta=cpu_nixl.ReadsLanded({"next": 3.0}, {"next": False})))
-    assert schedule(c, request("after a slow one"))  # back to steps of its own
+    assert not schedule(c, request("after it"))
+    c.build_connector_meta(None)
+    # A peer none of whose reads landed as posted (over TCP) keeps to steps of its own.
+    schedule(c, request("first from Q", engine="Q"))
+    c.update_connector_output(KVConnectorOutput(
+        finished_recving={"first from Q"},
+        kv_connector_worker_meta=cpu_nixl.ReadsLanded({}, {"first from Q": False})))
+    assert schedule(c, request("next from Q", engine="Q"))
     # The same engine emptied: an idle engine reads in step from any peer it knows.
-    for r in ("streaming", "busy", "next", "after a slow one"):
-        c.request_finished(request(r), [])
-    assert not schedule(c, request("alone"))
+    for r in ("streaming", "busy", "next", "after it", "first from Q", "next from Q"):
+        c.request_finished(request(r, engine="Q" if "Q" in r else "P"), [])
+    assert not schedule(c, request("alone", engine="Q"))
 
 
 def test_a_whole_prompt_read_in_step_leaves_its_last_position_to_the_step(scheduler):

@@ -12,7 +12,7 @@ CPU platform it builds the agent with a progress thread that sleeps between poll
 engine's agent with none: its own thread moves its reads), puts the thread affinity back to what
 the engine had, posts each step's reads before its forward rather than after, and reads a
 prompt's KV inside the step that computes its next position when no other stream waits for it
-(an idle decode engine, or a peer whose reads land as they are posted). On any
+(an idle decode engine, or a peer whose reads are copied as they are posted). On any
 platform it is loaded on (pdserve loads it on CPU hosts; GPU hosts get vLLM's NixlConnector) it
 fails the engine's start when its side-channel port is taken (vLLM would wait for it for good),
 caps a decode read at what the prefill computed, reports what each read moved and frees, when
@@ -110,11 +110,12 @@ _POLL_S = 50e-6
 # Read on its own (vLLM's asynchronous load), it is noticed at the end of a step that ran no
 # model, then the engine sleeps 1 ms and schedules the request at the next step: about 2-3 ms
 # more per handoff on an idle engine, a whole step more on a busy one. With other requests in
-# the engine the read is in the step only from a prefill engine whose last read had landed as it
-# was posted: UCX's cma (engines on one host) copies a read inside the call that posts it, which
-# the step makes before it prepares its inputs, so the others' forward does not wait for it. A
-# read over TCP never has (the holder must answer first; with small blocks UCX moves part of
-# some cma reads over TCP too), and its stalls would pause every stream in the engine.
+# the engine the read is in the step only from a prefill engine one of whose reads has landed as
+# it was posted: UCX's cma (engines on one host) copies a read inside the call that posts it,
+# which the step makes before it prepares its inputs, so the others' forward does not wait for
+# the bytes (a read also sends the holder a notice over TCP, which now and then needs a later
+# poll: that read is still a copy). A read over TCP never lands as posted (the holder must
+# answer first), and its stalls would pause every stream in the engine.
 IN_STEP_READS = os.environ.get("PDSERVE_NIXL_IN_STEP_READS", "1") != "0"
 # A read in the step that has not landed by then stops the engine (its worker exits, `pdserve
 # serve` restarts it, the controller retries the leg): the step cannot compute without the KV,
@@ -181,8 +182,8 @@ class PDCpuNixlConnector(NixlPullConnector):
         self._may_read_in_step = (current_platform.is_cpu() and IN_STEP_READS
                                   and len(getattr(kv_cache_config, "kv_cache_groups", ())) == 1)
         self._live: set[str] = set()
-        # Prefill engine -> whether its last read had landed as it was posted; the least
-        # recently read from first, at most _MAX_PEERS.
+        # Prefill engine -> whether one of its reads has landed as it was posted (so reads from
+        # it are copies); the least recently read from first, at most _MAX_PEERS.
         self._peers: dict[str, bool] = {}
         self._source: dict[str, str] = {}
         self._in_step_chosen: dict[str, int] = {}  # request id -> tokens the prefill holds
@@ -396,7 +397,7 @@ class PDCpuNixlConnector(NixlPullConnector):
         """Whether this read can be in the step that computes the request's next position: the
         peer was read from before (no handshake inside the step), the read lands straight in
         the engine's blocks, and no other stream's step waits for it: the engine holds no other
-        request, or this peer's last read had landed as it was posted."""
+        request, or one of this peer's reads has landed as it was posted."""
         sched = self.connector_scheduler
         engine = self._source.get(request.request_id)
         if not (self._may_read_in_step and engine in self._peers
@@ -452,9 +453,8 @@ class PDCpuNixlConnector(NixlPullConnector):
 
     def _read_from(self, engine: str, quick: bool | None) -> None:
         """Remember a prefill engine as read from, the newest last; `quick`: whether its read
-        had landed as it was posted (None: as known before)."""
-        known = self._peers.pop(engine, False)
-        self._peers[engine] = known if quick is None else quick
+        had landed as it was posted (a peer once seen so keeps it: its reads are copies)."""
+        self._peers[engine] = self._peers.pop(engine, False) or bool(quick)
         if len(self._peers) > _MAX_PEERS:  # prefill engines that came and went
             del self._peers[next(iter(self._peers))]
 

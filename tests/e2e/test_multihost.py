@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 from procs import Proc, metric, wait_for
-from test_openai import complete, prompt_ids, reads_beside_a_stream, stream_complete
+from test_openai import complete, prompt_ids, reads_beside_a_stream
 
 pytestmark = pytest.mark.root
 
@@ -248,15 +248,13 @@ def test_kv_crosses_the_veth_link_not_loopback(multihost, reference):
     assert delta["pre"]["lo_tx"] < kv // 4, detail
 
 
-def test_a_busy_decode_engine_reads_over_tcp_in_steps_of_their_own(multihost, reference):
+def test_a_busy_decode_engine_reads_over_tcp_in_steps_of_their_own(multihost):
     # Over TCP a read lands only once the prefill engine has answered, never as it is posted:
     # with a stream decoding, the decode engine keeps each read out of the step its streams
-    # compute in (pdserve/kv/cpu_nixl.py, _read_in_step), and the answers are one engine's.
+    # compute in (pdserve/kv/cpu_nixl.py, _read_in_step). (The answers' tokens are compared
+    # with one engine's by the tests above.)
     prompts = [prompt_ids(120 + 30 * i, seed=9200 + i) for i in range(4)]
-    ours, reads = reads_beside_a_stream(multihost.client, multihost.base, multihost.model,
-                                        prompts)
-    ref = _ref_client(reference)
-    assert ours == [stream_complete(ref, multihost.model, p, max_tokens=8, temperature=0)
-                    for p in prompts]
-    # The long stream's own read came into an idle engine: it may be in its step.
-    assert reads["own_step"] >= len(prompts) and reads["in_step"] <= 1
+    ours, modes = reads_beside_a_stream(multihost.client, multihost.base,
+                                        multihost.model, prompts)
+    assert all(ids and finish in ("length", "stop") for _, ids, finish in ours), ours  # whole
+    assert modes == ["own_step"] * len(prompts)
