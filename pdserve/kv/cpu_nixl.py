@@ -105,17 +105,18 @@ READ_WAIT_S = int(os.environ.get("PDSERVE_NIXL_READ_WAIT_US", "1000")) / 1e6
 _POLL_S = 50e-6
 
 
-# A decode engine holding no other request reads a prompt's KV inside the step that computes the
-# prompt's next position (vLLM's synchronous load: posted before the forward, which waits for it).
+# A decode engine can read a prompt's KV inside the step that computes the prompt's next
+# position (vLLM's synchronous load: posted before the forward, which waits for it).
 # Read on its own (vLLM's asynchronous load), it is noticed at the end of a step that ran no
 # model, then the engine sleeps 1 ms and schedules the request at the next step: about 2-3 ms
 # more per handoff on an idle engine, a whole step more on a busy one. With other requests in
 # the engine the read is in the step only from a prefill engine one of whose reads has landed as
 # it was posted: UCX's cma (engines on one host) copies a read inside the call that posts it,
 # which the step makes before it prepares its inputs, so the others' forward does not wait for
-# the bytes (a read also sends the holder a notice over TCP, which now and then needs a later
-# poll: that read is still a copy). A read over TCP never lands as posted (the holder must
-# answer first), and its stalls would pause every stream in the engine.
+# the bytes. (Some reads in an engine have not landed as posted all the same, likely the notice
+# each read sends the holder, which goes over TCP: hence one such read suffices.) A read over
+# TCP never lands as posted (the holder must answer first), and its stalls would pause every
+# stream in the engine.
 IN_STEP_READS = os.environ.get("PDSERVE_NIXL_IN_STEP_READS", "1") != "0"
 # A read in the step that has not landed by then stops the engine (its worker exits, `pdserve
 # serve` restarts it, the controller retries the leg): the step cannot compute without the KV,
