@@ -184,6 +184,14 @@ def test_decode_params_reads_vllm_sampling_params():
     assert (back.max_tokens, back.stop_token_ids, back.logprobs) == (7, [3], 2)
 
 
+def test_decoded_params_are_not_deep_copied_by_vllm():
+    p = params(7)
+    p.extra_args = {"kv_transfer_params": {"remote_block_ids": list(range(125))}}
+    back = decode_params(msgspec.msgpack.encode(p))
+    copy = back.clone()  # what vLLM's input processing does with a request's params
+    assert copy is not back and copy.extra_args is back.extra_args
+
+
 def test_infos(vllm_config):
     assert fake.fake_info().block_size == 16 and fake.fake_info(dtype="x").dtype == "x"
     # What `python -m pdserve.fake worker --model DIR` reports, and a controller on DIR admits.
