@@ -113,10 +113,11 @@ _POLL_S = 50e-6
 # the engine the read is in the step only from a prefill engine one of whose reads has landed as
 # it was posted: UCX's cma (engines on one host) copies a read inside the call that posts it,
 # which the step makes before it prepares its inputs, so the others' forward does not wait for
-# the bytes. (Some reads in an engine have not landed as posted all the same, likely the notice
-# each read sends the holder, which goes over TCP: hence one such read suffices.) A read over
-# TCP never lands as posted (the holder must answer first), and its stalls would pause every
-# stream in the engine.
+# the bytes. (About half the reads in an engine have not landed as posted all the same, with
+# or without the notice each read sends the holder, for a reason not found: hence one such read
+# suffices. Those wait for the holder's progress thread, and for good on a stopped holder.) A
+# read over TCP never lands as posted (the holder must answer first), and its stalls would
+# pause every stream in the engine.
 IN_STEP_READS = os.environ.get("PDSERVE_NIXL_IN_STEP_READS", "1") != "0"
 # A read in the step that has not landed by then stops the engine (its worker exits, `pdserve
 # serve` restarts it, the controller retries the leg): the step cannot compute without the KV,
