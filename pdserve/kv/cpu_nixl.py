@@ -455,7 +455,7 @@ class PDCpuNixlConnector(NixlPullConnector):
 
     def _read_from(self, engine: str, quick: bool | None) -> None:
         """Remember a prefill engine as read from, the newest last; `quick`: whether its read
-        had landed as it was posted (a peer once seen so keeps it: its reads are copies)."""
+        had landed as it was posted (a peer once seen so keeps it: its reads can be copies)."""
         self._peers[engine] = self._peers.pop(engine, False) or bool(quick)
         if len(self._peers) > _MAX_PEERS:  # prefill engines that came and went
             del self._peers[next(iter(self._peers))]
