@@ -227,6 +227,7 @@ def scheduler(monkeypatch):
     monkeypatch.setattr(base, "request_finished", lambda self, req, blocks: (False, None))
     monkeypatch.setattr(cpu_nixl, "IN_STEP_READS", True)
     monkeypatch.setattr(cpu_nixl.current_platform, "is_cpu", lambda: True)
+    monkeypatch.setattr(cpu_nixl, "copy_scope", lambda: HERE)
     c = cpu_nixl.PDCpuNixlConnector(None, KVConnectorRole.SCHEDULER,
                                     SimpleNamespace(kv_cache_groups=["one"]))
     c.connector_scheduler = SimpleNamespace(use_host_buffer=False, block_size=BLOCK)
@@ -235,13 +236,17 @@ def scheduler(monkeypatch):
 
 
 BLOCK = 128
+HERE = "this engine's copy scope"
 
 
 def request(req_id: str, engine: str = "P", context: int = 300, extra: int = 1,
-            asks_stats: bool = True):
-    """A decode leg: the prefill's context, plus `extra` tokens (1: the prefill's token); it
-    asks for the read's stats as a pdserve worker's does (`asks_stats`)."""
+            asks_stats: bool = True, scope: str | None = HERE):
+    """A decode leg: the prefill's context, plus `extra` tokens (1: the prefill's token), from a
+    prefill engine in copy scope `scope`; it asks for the read's stats as a pdserve worker's
+    does (`asks_stats`)."""
     params = {"do_remote_prefill": True, "remote_num_tokens": context, "remote_engine_id": engine}
+    if scope is not None:
+        params[cpu_nixl._COPY_SCOPE] = scope
     if asks_stats:
         params[KV_READ_STATS] = True
     return SimpleNamespace(request_id=req_id, num_tokens=context + extra,
@@ -366,6 +371,37 @@ def test_a_busy_engine_reads_in_step_only_from_a_peer_one_of_whose_reads_landed_
     for r in ("streaming", "busy", "next", "after it", "first from Q", "next from Q"):
         c.request_finished(request(r, engine="Q" if "Q" in r else "P"), [])
     assert not schedule(c, request("alone", engine="Q"))
+
+
+@pytest.mark.parametrize("scope", ["another host or namespace", None])
+def test_a_busy_engine_reads_in_step_from_no_peer_outside_its_copy_scope(scheduler, scope):
+    """A read over TCP seems to land as posted when the reader is descheduled between posting and
+    checking it: from a peer outside the reader's copy scope (None: its UCX may not use cma),
+    that is no sign its reads are copies."""
+    c = scheduler
+    schedule(c, request("streaming", scope=scope))
+    c.update_connector_output(KVConnectorOutput(finished_recving={"streaming"}))
+    for name in ("busy", "next"):
+        assert schedule(c, request(name, scope=scope))  # in a step of its own
+        c.build_connector_meta(None)
+        c.update_connector_output(KVConnectorOutput(
+            finished_recving={name},
+            kv_connector_worker_meta=cpu_nixl.ReadsLanded({}, {name: True})))
+    for r in ("streaming", "busy", "next"):
+        c.request_finished(request(r, scope=scope), [])
+    assert not schedule(c, request("alone", scope=scope))  # idle: in step from any known peer
+
+
+@pytest.mark.parametrize("scope", [HERE, None])
+def test_a_prefill_hands_its_decode_its_copy_scope(scheduler, monkeypatch, scope):
+    c = scheduler
+    c._scope = scope
+    held = {"do_remote_prefill": True, "remote_engine_id": "P", "remote_block_ids": [[1, 2]]}
+    monkeypatch.setattr(cpu_nixl.NixlPullConnector, "request_finished",
+                        lambda self, req, blocks: (True, dict(held)))
+    prefill = SimpleNamespace(request_id="leg", kv_transfer_params={"do_remote_decode": True})
+    delay, params = c.request_finished(prefill, [1, 2])
+    assert delay and params == ({**held, cpu_nixl._COPY_SCOPE: scope} if scope else held)
 
 
 def test_a_whole_prompt_read_in_step_leaves_its_last_position_to_the_step(scheduler):

@@ -50,7 +50,7 @@ def connector(held: list[str] = ()) -> cpu_nixl.PDCpuNixlConnector:
     c._connector_metadata, c._may_wait, c._landed = None, False, {}
     c._releases, c._released = set(), set()
     c._live, c._source, c._in_step_chosen, c._reads = set(), {}, {}, {}
-    c._in_step_next, c._in_step_sent = set(), set()
+    c._in_step_next, c._in_step_sent, c._scope = set(), set(), None
     return c
 
 

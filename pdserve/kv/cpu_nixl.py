@@ -40,6 +40,7 @@ from vllm.platforms import current_platform
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
+from pdserve.kv.copy_scope import copy_scope
 from pdserve.net import bind_error
 from pdserve.protocol import KV_READ_STATS, RELEASE_HELD, leg_of
 
@@ -110,14 +111,15 @@ _POLL_S = 50e-6
 # Read on its own (vLLM's asynchronous load), it is noticed at the end of a step that ran no
 # model, then the engine sleeps 1 ms and schedules the request at the next step: about 2-3 ms
 # more per handoff on an idle engine, a whole step more on a busy one. With other requests in
-# the engine the read is in the step only from a prefill engine one of whose reads has landed as
-# it was posted: UCX's cma (engines on one host) copies a read inside the call that posts it,
-# which the step makes before it prepares its inputs, so the others' forward does not wait for
-# the bytes. (About half the reads in an engine have not landed as posted all the same, with
-# or without the notice each read sends the holder, for a reason not found: hence one such read
-# suffices. Those wait for the holder's progress thread, and for good on a stopped holder.) A
-# read over TCP never lands as posted (the holder must answer first), and its stalls would
-# pause every stream in the engine.
+# the engine the read is in the step only from a prefill engine in the reader's copy scope
+# (kv/copy_scope.py) one of whose reads has landed as it was posted: UCX's cma (engines on one
+# host) copies a read inside the call that posts it, which the step makes before it prepares its
+# inputs, so the others' forward does not wait for the bytes. (About half the reads in an engine
+# have not landed as posted all the same, with or without the notice each read sends the holder,
+# for a reason not found: hence one such read suffices. Those wait for the holder's progress
+# thread, and for good on a stopped holder.) A read over TCP lands only once the holder has
+# answered, and its stalls would pause every stream in the engine; it seems to land as posted
+# when the reader is descheduled between posting and checking it, hence the scope.
 IN_STEP_READS = os.environ.get("PDSERVE_NIXL_IN_STEP_READS", "1") != "0"
 # A read in the step that has not landed by then stops the engine (its worker exits, `pdserve
 # serve` restarts it, the controller retries the leg): the step cannot compute without the KV,
@@ -128,6 +130,8 @@ _IN_STEP = "pdserve_in_step"
 _MAX_PEERS = 1024  # prefill engines remembered as read from (a restarted one has a new id)
 # On the metadata: the prefill legs whose held blocks are to be freed (RELEASE_HELD).
 _RELEASE = "pdserve_release"
+# In the kv_transfer_params a prefill engine hands its decode: the prefill engine's copy scope.
+_COPY_SCOPE = "pdserve_copy_scope"
 
 
 class SideChannelTaken(RuntimeError):
@@ -177,8 +181,9 @@ class PDCpuNixlConnector(NixlPullConnector):
         self._may_wait = current_platform.is_cpu() and READ_WAIT_S > 0
         self._post_early = current_platform.is_cpu()  # worker side: reads go out as steps begin
         # In-step reads. Scheduler side: the requests holding blocks here, the prefill engines
-        # read from before (their handshake is done), the engine each read comes from, the
-        # reads chosen to be in-step, and those sent to the workers until they report them.
+        # read from before (their handshake is done), the engine each read comes from and
+        # whether it is in this engine's copy scope, the reads chosen to be in-step, and those
+        # sent to the workers until they report them.
         # One KV cache group: vLLM reports a failed read as invalid blocks only then (and the
         # scheduler fails an in-step read's request from them).
         self._may_read_in_step = (current_platform.is_cpu() and IN_STEP_READS
@@ -187,7 +192,8 @@ class PDCpuNixlConnector(NixlPullConnector):
         # Prefill engine -> whether one of its reads has landed as it was posted (so reads from
         # it are copies); the least recently read from first, at most _MAX_PEERS.
         self._peers: dict[str, bool] = {}
-        self._source: dict[str, str] = {}
+        self._scope = copy_scope() if current_platform.is_cpu() else None
+        self._source: dict[str, tuple[str, bool]] = {}
         self._in_step_chosen: dict[str, int] = {}  # request id -> tokens the prefill holds
         self._in_step_next: set[str] = set()
         self._in_step_sent: set[str] = set()
@@ -382,7 +388,9 @@ class PDCpuNixlConnector(NixlPullConnector):
             if count and held:
                 count = max(0, min(count, held - num_computed_tokens))
                 is_async = is_async and count > 0
-            self._source[request.request_id] = params.get("remote_engine_id")
+            scope = params.get(_COPY_SCOPE)
+            self._source[request.request_id] = (params.get("remote_engine_id"),
+                                                scope is not None and scope == self._scope)
             self._in_step_chosen.pop(request.request_id, None)
             # The step computes at least one position: the prefill's token's, or, when the
             # context is the whole prompt, its last one again (as vLLM's scheduler does once
@@ -399,9 +407,10 @@ class PDCpuNixlConnector(NixlPullConnector):
         """Whether this read can be in the step that computes the request's next position: the
         peer was read from before (no handshake inside the step), the read lands straight in
         the engine's blocks, and no other stream's step waits for it: the engine holds no other
-        request, or one of this peer's reads has landed as it was posted."""
+        request, or the peer is in this engine's copy scope and one of its reads has landed as
+        it was posted."""
         sched = self.connector_scheduler
-        engine = self._source.get(request.request_id)
+        engine, _ = self._source.get(request.request_id, (None, False))
         if not (self._may_read_in_step and engine in self._peers
                 and sched is not None and not sched.use_host_buffer):
             return False
@@ -439,13 +448,14 @@ class PDCpuNixlConnector(NixlPullConnector):
         finished = connector_output.finished_recving or set()
         failed = connector_output.failed_recving or set()
         for req_id, quick in getattr(worker_meta, "quick", {}).items():
-            if (engine := self._source.get(req_id)) is not None:
-                self._read_from(engine, quick)
+            if (source := self._source.get(req_id)) is not None:
+                engine, in_scope = source
+                self._read_from(engine, quick and in_scope)
         for req_id in finished:
             if (read := self._reads.get(req_id)) is not None:
                 read[3] = landed.get(req_id, now)
-            if req_id not in failed and (engine := self._source.get(req_id)) is not None:
-                self._read_from(engine, None)
+            if req_id not in failed and (source := self._source.get(req_id)) is not None:
+                self._read_from(source[0], None)
         if in_step := finished & self._in_step_sent:
             # The scheduler takes a finished read as a request waiting for it to be scheduled,
             # and an in-step read's request was scheduled with it. A failed one is failed by
@@ -454,8 +464,9 @@ class PDCpuNixlConnector(NixlPullConnector):
             self._in_step_sent -= in_step
 
     def _read_from(self, engine: str, quick: bool | None) -> None:
-        """Remember a prefill engine as read from, the newest last; `quick`: whether its read
-        had landed as it was posted (a peer once seen so keeps it: its reads can be copies)."""
+        """Remember a prefill engine as read from, the newest last; `quick`: whether its read,
+        in this engine's copy scope, had landed as it was posted (a peer once seen so keeps it:
+        its reads can be copies)."""
         self._peers[engine] = self._peers.pop(engine, False) or bool(quick)
         if len(self._peers) > _MAX_PEERS:  # prefill engines that came and went
             del self._peers[next(iter(self._peers))]
@@ -464,13 +475,19 @@ class PDCpuNixlConnector(NixlPullConnector):
         if self._asks_release(request):
             return False, None
         delay, params = super().request_finished(request, block_ids)
-        return delay, self._with_read(request, params)
+        return delay, self._with_read(request, self._with_scope(params))
 
     def request_finished_all_groups(self, request: Any, block_ids: Any):
         if self._asks_release(request):
             return False, None
         delay, params = super().request_finished_all_groups(request, block_ids)
-        return delay, self._with_read(request, params)
+        return delay, self._with_read(request, self._with_scope(params))
+
+    def _with_scope(self, params: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A prefill's params for its decode, with this engine's copy scope."""
+        if not params or self._scope is None or "remote_engine_id" not in params:
+            return params
+        return {**params, _COPY_SCOPE: self._scope}
 
     def _with_read(self, request: Any, params: dict[str, Any] | None) -> dict[str, Any] | None:
         self._live.discard(request.request_id)

@@ -249,10 +249,11 @@ def test_kv_crosses_the_veth_link_not_loopback(multihost, reference):
 
 
 def test_a_busy_decode_engine_reads_over_tcp_in_steps_of_their_own(multihost):
-    # Over TCP a read lands only once the prefill engine has answered, never as it is posted:
-    # with a stream decoding, the decode engine keeps each read out of the step its streams
-    # compute in (pdserve/kv/cpu_nixl.py, _read_in_step). (The answers' tokens are compared
-    # with one engine's by the tests above.)
+    # Over TCP a read lands only once the prefill engine has answered: with a stream decoding,
+    # the decode engine keeps each read out of the step its streams compute in, the prefill
+    # engine being outside its copy scope (pdserve/kv/cpu_nixl.py, _read_in_step; here UCX may
+    # not use cma, and the engines are in two network namespaces), however its reads landed.
+    # (The answers' tokens are compared with one engine's by the tests above.)
     prompts = [prompt_ids(120 + 30 * i, seed=9200 + i) for i in range(4)]
     ours, modes = reads_beside_a_stream(multihost.client, multihost.base,
                                         multihost.model, prompts)
