@@ -5,8 +5,8 @@ are copied as they are posted (kv/cpu_nixl.py). Seeing one read land as it was p
 proof: over TCP a read also lands before it is checked when the reader's thread is descheduled
 between the two long enough for the holder to answer. So both engines also name their scope, and
 only a peer in the reader's own scope counts: the same boot of the same machine, the same pid and
-network namespaces (UCX offers cma only to a peer in its own pid namespace, and its machine id
-differs across network namespaces), with cma among the transports UCX may use.
+network namespaces (UCX offers cma only to a peer in its own pid namespace; one in another network
+namespace is taken for another host, the safe side), with cma among the transports UCX may use.
 """
 
 from __future__ import annotations
