@@ -388,9 +388,8 @@ class PDCpuNixlConnector(NixlPullConnector):
             if count and held:
                 count = max(0, min(count, held - num_computed_tokens))
                 is_async = is_async and count > 0
-            scope = params.get(_COPY_SCOPE)
-            self._source[request.request_id] = (params.get("remote_engine_id"),
-                                                scope is not None and scope == self._scope)
+            in_scope = self._scope is not None and params.get(_COPY_SCOPE) == self._scope
+            self._source[request.request_id] = (params.get("remote_engine_id"), in_scope)
             self._in_step_chosen.pop(request.request_id, None)
             # The step computes at least one position: the prefill's token's, or, when the
             # context is the whole prompt, its last one again (as vLLM's scheduler does once
