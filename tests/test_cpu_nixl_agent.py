@@ -15,8 +15,9 @@ import pytest
 from procs import loopback_bytes
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 
-from pdserve.bench.nixl_read import (BLOCK_BYTES, LAYERS, PDSERVE_WAYS, PROMPTS, STALL_S,
-                                     TWO_HOSTS, Read, measure, nixl_agent, stall_table)
+from pdserve.bench.nixl_read import (BLOCK_BYTES, LAYERS, NOTICE_WAYS, PDSERVE_WAYS, PROMPTS,
+                                     STALL_S, TWO_HOSTS, Read, measure, nixl_agent, notice_table,
+                                     noticed, stall_table)
 from pdserve.kv import cpu_nixl
 from pdserve.worker.engine import EngineSettings, Role, engine_env
 
@@ -134,3 +135,21 @@ def test_the_read_benchmark_counts_the_stalled_reads_and_the_longest():
     rows = list(stall_table({"one way": {t: reads for t in PROMPTS}}))
     assert rows[0] == "| prompt tokens | one way |"
     assert rows[2:] == [f"| {t} | 1 (31.0) |" for t in PROMPTS]
+
+
+@pytest.mark.parametrize("way", [w for w in NOTICE_WAYS if w.flush or not w.notice],
+                         ids=lambda w: w.name)
+def test_a_read_over_cma_lands_as_it_is_posted_when_no_notice_waits_for_its_flush(way):
+    """Two processes, the reader copying over cma: UCX flushes a read's endpoint as part of it,
+    and over TCP an endpoint that has sent a message (a read's notice to its holder) flushes only
+    once the holder answers. With no notice before it, or with the one before it flushed by a
+    one-byte read, a read is done when the call that posts it returns. (Right after a notice it
+    is done then only if the holder has answered first, which is not asserted.)"""
+    reads = noticed(way, reads=8)
+    assert len(reads) == 8 and all(seconds > 0 for _, seconds in reads)
+    assert all(posted for posted, _ in reads)
+
+
+def test_the_notice_table_counts_the_reads_landed_as_posted():
+    rows = list(notice_table({"one way": [(True, 0.001), (False, 0.004), (True, 0.002)]}))
+    assert rows[2] == "| one way | 2 of 3 | 2.00 (3.60) | 4.00 |"

@@ -9,6 +9,12 @@ host read: cross-memory attach (UCX_TLS=cma,tcp), the reader copying the blocks 
 `.venv/bin/python -m pdserve.bench.nixl_read` (~1-2 min; two cores). The sizes are the bench
 preset's reads: 4 layers of 128 KB blocks of 128 tokens, one contiguous run per layer.
 
+`--notices`: what vLLM's notice that a read is done (a message to the holder) does to the read
+after it, over cma: UCX flushes a read's endpoint, and over its TCP transport an endpoint that has
+sent a message flushes only once the peer answers. Reads posted without a notice, with one, and
+with one followed by a one-byte read without a notice (whose flush is done before the next read):
+how many landed as they were posted (done at the first check) and how long each took.
+
 `--busy-layer-ms MS`: the reader as a busy decode engine without a progress thread moves its
 reads, computing MS between checks (one attention layer of a forward) and checking once at each
 (the connector's `wait_for_layer_load`): how many such points a read needs, and how long its
@@ -34,6 +40,7 @@ PROMPTS = {100: 1, 300: 3, 1000: 8, 2000: 16}  # prompt tokens -> 128-token bloc
 LAYERS, BLOCK_BYTES = 4, 128 * 1024
 SPAN = 2 * LAYERS * BLOCK_BYTES * max(PROMPTS.values())  # each side's memory: runs apart (_runs)
 GAP_S = 0.01  # between reads, as between handoffs
+TINY_READ = 4 * 64 * 1024  # bytes: a tiny-preset read (--notices)
 STALL_S = 0.015  # a read this long is stalled: 3-30 times its median at these sizes
 ONE_HOST, TWO_HOSTS = "cma,tcp", "tcp"  # UCX_TLS: pdserve's on a CPU host, as each peer sees it
 
@@ -144,11 +151,76 @@ def _read(conn: Connection, core: int, way: Way, reads: int, layer_s: float | No
 
 def measure(way: Way, reads: int, layer_s: float | None = None) -> dict[int, list[Read]]:
     """Each size's reads; `layer_s`: the reader as a busy engine with layers that long."""
+    return _pair(way, _read, (way, reads, layer_s))
+
+
+@dataclass(frozen=True)
+class Notice:
+    name: str
+    notice: bool  # each read carries a notice to the holder, as vLLM's reads do
+    flush: bool  # then a one-byte read without one, done before the next read
+
+
+NOTICE_WAYS = [Notice("no notice", False, False), Notice("vLLM's notice", True, False),
+               Notice("notice, then a one-byte read", True, True)]
+
+
+def _read_noticed(conn: Connection, core: int, way: Notice, reads: int) -> None:
+    """Reads of four 64 KB blocks over cma (the tiny preset's, whose posting is quick); whether
+    each landed as it was posted."""
+    _enter(core, Way(way.name, False, "32k", ONE_HOST))
+    agent = nixl_agent("reader", progress_thread=False)
+    local: np.ndarray = np.zeros(SPAN + 1, dtype=np.uint8)  # the last byte: the one-byte reads
+    agent.register_memory([(local.ctypes.data, SPAN + 1, 0, "")], "DRAM")
+    metadata, remote_base = conn.recv()
+    peer = agent.add_remote_agent(metadata)
+    mine = agent.get_xfer_descs(_runs(local.ctypes.data, TINY_READ), "DRAM")
+    theirs = agent.get_xfer_descs(_runs(remote_base, TINY_READ), "DRAM")
+    last = agent.get_xfer_descs([(local.ctypes.data + SPAN, 1, 0)], "DRAM")
+    byte = agent.initialize_xfer("READ", last, agent.get_xfer_descs([(remote_base, 1, 0)], "DRAM"),
+                                 peer)
+    out: list[tuple[bool, float]] = []
+    for i in range(reads + 3):  # the first reads set up the connection
+        notice = {"notif_msg": f"read-{i}".encode()} if way.notice else {}
+        handle = agent.initialize_xfer("READ", mine, theirs, peer, **notice)
+        start = time.perf_counter()
+        agent.transfer(handle)
+        posted = agent.check_xfer_state(handle) == "DONE"
+        while (state := agent.check_xfer_state(handle)) == "PROC":
+            pass
+        out.append((posted, time.perf_counter() - start))
+        agent.release_xfer_handle(handle)
+        if state != "DONE":
+            raise RuntimeError(f"a read ended {state}")
+        if way.flush:
+            agent.transfer(byte)
+            while agent.check_xfer_state(byte) == "PROC":
+                time.sleep(GAP_S / 100)
+        time.sleep(GAP_S)
+    conn.send(out[3:])
+
+
+def noticed(way: Notice, reads: int) -> list[tuple[bool, float]]:
+    """Each read: whether it landed as it was posted, and its seconds."""
+    return _pair(Way(way.name, False, "32k", ONE_HOST), _read_noticed, (way, reads))
+
+
+def notice_table(results: dict[str, list[tuple[bool, float]]]) -> Iterator[str]:
+    yield "| reads | landed as posted | read p50 (p90), ms | longest (ms) |"
+    yield "|---|---|---|---|"
+    for name, reads in results.items():
+        took = [t for _, t in reads]
+        yield (f"| {name} | {sum(p for p, _ in reads)} of {len(reads)} | {_cells(took)} "
+               f"| {max(took) * 1e3:.2f} |")
+
+
+def _pair(way: Way, read: Any, args: tuple) -> Any:
+    """A holder on core 0 and `read` on core 1 (each in a process of its own): its answer."""
     ctx = mp.get_context("spawn")
     hold_end, hold_here = ctx.Pipe()
     read_end, read_here = ctx.Pipe()
     holder = ctx.Process(target=_hold, args=(hold_end, 0, way), daemon=True)
-    reader = ctx.Process(target=_read, args=(read_end, 1, way, reads, layer_s), daemon=True)
+    reader = ctx.Process(target=read, args=(read_end, 1, *args), daemon=True)
     holder.start()
     reader.start()
     try:
@@ -213,10 +285,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=1, help="each way this many times, in turn")
     p.add_argument("--busy-layer-ms", type=float, default=None,
                    help="the reader as a busy engine (pdserve's way): MS of compute per layer")
+    p.add_argument("--notices", action="store_true",
+                   help="what a read's notice to the holder does to the read after it (cma)")
     args = p.parse_args(argv)
     # Over loopback TCP, BBR's paced sends came out of order and stalled reads (performance.md).
     print(f"TCP congestion control: {_congestion_control()}")
     for r in range(args.rounds):
+        if args.notices:
+            by_way = {way.name: noticed(way, args.reads) for way in NOTICE_WAYS}
+            print(f"\nround {r + 1}: reads of four 64 KB blocks over cma, {args.reads} each, "
+                  f"{GAP_S * 1e3:g} ms apart\n")
+            print("\n".join(notice_table(by_way)), flush=True)
+            continue
         if args.busy_layer_ms is not None:
             for way in PDSERVE_WAYS:
                 busy = measure(way, args.reads, args.busy_layer_ms / 1e3)

@@ -114,12 +114,14 @@ _POLL_S = 50e-6
 # the engine the read is in the step only from a prefill engine in the reader's copy scope
 # (kv/copy_scope.py) one of whose reads has landed as it was posted: UCX's cma (engines on one
 # host) copies a read inside the call that posts it, which the step makes before it prepares its
-# inputs, so the others' forward does not wait for the bytes. (About half the reads in an engine
-# have not landed as posted all the same, with or without the notice each read sends the holder,
-# for a reason not found: hence one such read suffices. Those wait for the holder's progress
-# thread, and for good on a stopped holder.) A read over TCP lands only once the holder has
-# answered, and its stalls would pause every stream in the engine; it seems to land as posted
-# when the reader is descheduled between posting and checking it, hence the scope.
+# inputs, so the others' forward does not wait for the bytes. (Many reads in an engine have not
+# landed as posted all the same: NIXL flushes a read's UCX endpoint, whose TCP lane, once it has
+# sent the holder a message (the notice of the read before), flushes only when the holder
+# answers; `pdserve.bench.nixl_read --notices`. Hence one such read suffices. Those
+# wait for the holder's progress thread, and for good on a stopped holder.) A read over TCP
+# lands only once the holder has answered, and its stalls would pause every stream in the
+# engine; it seems to land as posted when the reader is descheduled between posting and checking
+# it, hence the scope.
 IN_STEP_READS = os.environ.get("PDSERVE_NIXL_IN_STEP_READS", "1") != "0"
 # A read in the step that has not landed by then stops the engine (its worker exits, `pdserve
 # serve` restarts it, the controller retries the leg): the step cannot compute without the KV,
