@@ -137,17 +137,19 @@ def test_the_read_benchmark_counts_the_stalled_reads_and_the_longest():
     assert rows[2:] == [f"| {t} | 1 (31.0) |" for t in PROMPTS]
 
 
-@pytest.mark.parametrize("way", [w for w in NOTICE_WAYS if w.flush or not w.notice],
+@pytest.mark.parametrize("way", [w for w in NOTICE_WAYS if w.held or not w.notice],
                          ids=lambda w: w.name)
 def test_a_read_over_cma_lands_as_it_is_posted_when_no_notice_waits_for_its_flush(way):
     """Two processes, the reader copying over cma: UCX flushes a read's endpoint as part of it,
     and over TCP an endpoint that has sent a message (a read's notice to its holder) flushes only
-    once the holder answers. With no notice before it, or with the one before it flushed by a
-    one-byte read, a read is done when the call that posts it returns. (Right after a notice it
-    is done then only if the holder has answered first, which is not asserted.)"""
-    reads = noticed(way, reads=8)
+    once the holder answers. With no notice before it, or through pdserve's HeldNotices (the
+    notice before it followed by a flush), a read is done when the call that posts it returns,
+    and its notice reaches the holder. (Right after vLLM's notice it is done then only if the
+    holder has answered first, which is not asserted.)"""
+    reads, got = noticed(way, reads=8)
     assert len(reads) == 8 and all(seconds > 0 for _, seconds in reads)
     assert all(posted for posted, _ in reads)
+    assert got == (8 + 3 if way.notice else 0)  # the 3 before them set up the connection
 
 
 def test_the_notice_table_counts_the_reads_landed_as_posted():

@@ -73,7 +73,7 @@ def connector(transfers: dict[str, list[int]], nixl: FakeNixl):
     c = object.__new__(cpu_nixl.PDCpuNixlConnector)  # no engine: only the worker side is tested
     c.connector_worker = FakeWorker(nixl, transfers)
     c._connector_metadata, c._landed, c._post_early = None, {}, True
-    c._quick = {}
+    c._quick, c._notices = {}, None
     return c
 
 
@@ -207,6 +207,43 @@ def test_each_read_posted_as_the_step_begins_is_reported_landed_as_posted_or_not
     assert c.build_connector_worker_meta().quick == {"copied": True, "moving": False,
                                                     "failed": False}
     assert c.build_connector_worker_meta() is None  # reported once
+
+
+
+class Notices:
+    """The connector's HeldNotices (kv/notices.py): what had happened each time it was told to
+    send the notices due."""
+
+    def __init__(self, c):
+        self.c, self.sends = c, []
+
+    def send(self):
+        self.sends.append((list(self.c.connector_worker.posted), dict(self.c._quick),
+                           set(self.c._landed)))
+
+
+def test_notices_go_out_after_the_steps_reads_are_posted_and_checked_and_after_they_land(
+        clock, monkeypatch):
+    """So no read of the step follows a notice to its peer (which would make it wait for the
+    peer to answer), and each notice of a read done goes out before the step computes."""
+    monkeypatch.setattr(cpu_nixl.NixlPullConnector, "start_load_kv", lambda *a, **k: None)
+    monkeypatch.setattr(cpu_nixl.NixlPullConnector, "get_transfer_results",
+                        lambda self, finished: SimpleNamespace(finished_sending=set()))
+    c = connector({}, FakeNixl({7: ["DONE"], 8: ["PROC", "DONE"]}))
+    c._notices = notices = Notices(c)
+    c._may_wait, c._released = False, set()
+    worker = c.connector_worker
+    worker.handles.update(copied=7, in_step=8)
+    meta = NixlConnectorMetadata()
+    meta.reqs_to_recv = {"copied": "m", "in_step": "m"}
+    setattr(meta, cpu_nixl._IN_STEP, {"in_step"})
+    c.handle_preemptions(meta)
+    assert notices.sends == [(["copied", "in_step"], {"copied": True, "in_step": False}, set())]
+    c._connector_metadata = meta
+    c.start_load_kv(SimpleNamespace(attn_metadata={"layer.0": object()}))
+    assert notices.sends[-1][2] == {"in_step"}  # after the in-step read landed
+    c.get_transfer_results(set())
+    assert len(notices.sends) == 3  # and at the step's end, for reads found done then
 
 
 # ---- the scheduler side chooses which reads are in-step ------------------------------------

@@ -51,6 +51,7 @@ def connector(held: list[str] = ()) -> cpu_nixl.PDCpuNixlConnector:
     c._releases, c._released = set(), set()
     c._live, c._source, c._in_step_chosen, c._reads = set(), {}, {}, {}
     c._in_step_next, c._in_step_sent, c._scope = set(), set(), None
+    c._notices = None
     return c
 
 

@@ -10,10 +10,11 @@ host read: cross-memory attach (UCX_TLS=cma,tcp), the reader copying the blocks 
 preset's reads: 4 layers of 128 KB blocks of 128 tokens, one contiguous run per layer.
 
 `--notices`: what vLLM's notice that a read is done (a message to the holder) does to the read
-after it, over cma: UCX flushes a read's endpoint, and over its TCP transport an endpoint that has
-sent a message flushes only once the peer answers. Reads posted without a notice, with one, and
-with one followed by a one-byte read without a notice (whose flush is done before the next read):
-how many landed as they were posted (done at the first check) and how long each took.
+after it, over cma: UCX flushes a read's endpoint, and over its TCP lane an endpoint that has
+sent a message flushes only once the peer answers. Reads posted without a notice, with one as
+vLLM posts them, and through pdserve's HeldNotices (kv/notices.py: the notice sent once the read
+is done, then a one-byte read without one, whose flush ends before the next read): how many
+landed as they were posted (done at the first check) and how long each took.
 
 `--busy-layer-ms MS`: the reader as a busy decode engine without a progress thread moves its
 reads, computing MS between checks (one attention layer of a forward) and checking once at each
@@ -87,6 +88,7 @@ def _hold(conn: Connection, core: int, way: Way) -> None:
     agent.register_memory([(blocks.ctypes.data, SPAN, 0, "")], "DRAM")
     conn.send((agent.get_agent_metadata(), blocks.ctypes.data))
     conn.recv()  # until the reader is done
+    conn.send(sum(len(n) for n in agent.get_new_notifs().values()))  # the notices it got
 
 
 def _runs(base: int, total: int) -> list[tuple[int, int, int]]:
@@ -158,51 +160,54 @@ def measure(way: Way, reads: int, layer_s: float | None = None) -> dict[int, lis
 class Notice:
     name: str
     notice: bool  # each read carries a notice to the holder, as vLLM's reads do
-    flush: bool  # then a one-byte read without one, done before the next read
+    held: bool  # through pdserve's HeldNotices, its flush done before the next read
 
 
 NOTICE_WAYS = [Notice("no notice", False, False), Notice("vLLM's notice", True, False),
-               Notice("notice, then a one-byte read", True, True)]
+               Notice("pdserve's: the notice after the read, then a flush", True, True)]
 
 
 def _read_noticed(conn: Connection, core: int, way: Notice, reads: int) -> None:
-    """Reads of four 64 KB blocks over cma (the tiny preset's, whose posting is quick); whether
-    each landed as it was posted."""
+    """Reads of four 64 KB blocks over cma (the tiny preset's, whose posting is quick), made as
+    vLLM's reader makes them; whether each landed as it was posted."""
+    from pdserve.kv.notices import HeldNotices
+
     _enter(core, Way(way.name, False, "32k", ONE_HOST))
     agent = nixl_agent("reader", progress_thread=False)
-    local: np.ndarray = np.zeros(SPAN + 1, dtype=np.uint8)  # the last byte: the one-byte reads
-    agent.register_memory([(local.ctypes.data, SPAN + 1, 0, "")], "DRAM")
+    reader = HeldNotices(agent) if way.held else agent
+    local: np.ndarray = np.zeros(SPAN, dtype=np.uint8)
+    agent.register_memory([(local.ctypes.data, SPAN, 0, "")], "DRAM")
     metadata, remote_base = conn.recv()
     peer = agent.add_remote_agent(metadata)
-    mine = agent.get_xfer_descs(_runs(local.ctypes.data, TINY_READ), "DRAM")
-    theirs = agent.get_xfer_descs(_runs(remote_base, TINY_READ), "DRAM")
-    last = agent.get_xfer_descs([(local.ctypes.data + SPAN, 1, 0)], "DRAM")
-    byte = agent.initialize_xfer("READ", last, agent.get_xfer_descs([(remote_base, 1, 0)], "DRAM"),
-                                 peer)
+    mine = reader.prep_xfer_dlist("NIXL_INIT_AGENT", _runs(local.ctypes.data, TINY_READ), "DRAM")
+    theirs = reader.prep_xfer_dlist(peer, _runs(remote_base, TINY_READ), "DRAM")
+    layers = list(range(LAYERS))
     out: list[tuple[bool, float]] = []
     for i in range(reads + 3):  # the first reads set up the connection
-        notice = {"notif_msg": f"read-{i}".encode()} if way.notice else {}
-        handle = agent.initialize_xfer("READ", mine, theirs, peer, **notice)
+        notice = f"read-{i}".encode() if way.notice else b""
+        handle = reader.make_prepped_xfer("READ", mine, layers, theirs, layers, notif_msg=notice)
         start = time.perf_counter()
-        agent.transfer(handle)
-        posted = agent.check_xfer_state(handle) == "DONE"
-        while (state := agent.check_xfer_state(handle)) == "PROC":
+        reader.transfer(handle)
+        posted = reader.check_xfer_state(handle) == "DONE"
+        while (state := reader.check_xfer_state(handle)) == "PROC":
             pass
         out.append((posted, time.perf_counter() - start))
-        agent.release_xfer_handle(handle)
+        reader.release_xfer_handle(handle)
         if state != "DONE":
             raise RuntimeError(f"a read ended {state}")
-        if way.flush:
-            agent.transfer(byte)
-            while agent.check_xfer_state(byte) == "PROC":
+        if isinstance(reader, HeldNotices):
+            reader.send()
+            while reader.flushing:
                 time.sleep(GAP_S / 100)
+                reader.send()
         time.sleep(GAP_S)
     conn.send(out[3:])
 
 
-def noticed(way: Notice, reads: int) -> list[tuple[bool, float]]:
-    """Each read: whether it landed as it was posted, and its seconds."""
-    return _pair(Way(way.name, False, "32k", ONE_HOST), _read_noticed, (way, reads))
+def noticed(way: Notice, reads: int) -> tuple[list[tuple[bool, float]], int]:
+    """Each read (whether it landed as it was posted, and its seconds), and the notices the
+    holder got."""
+    return _pair(Way(way.name, False, "32k", ONE_HOST), _read_noticed, (way, reads), True)
 
 
 def notice_table(results: dict[str, list[tuple[bool, float]]]) -> Iterator[str]:
@@ -214,8 +219,9 @@ def notice_table(results: dict[str, list[tuple[bool, float]]]) -> Iterator[str]:
                f"| {max(took) * 1e3:.2f} |")
 
 
-def _pair(way: Way, read: Any, args: tuple) -> Any:
-    """A holder on core 0 and `read` on core 1 (each in a process of its own): its answer."""
+def _pair(way: Way, read: Any, args: tuple, notices: bool = False) -> Any:
+    """A holder on core 0 and `read` on core 1 (each in a process of its own): its answer, and
+    with `notices`, how many notices the holder got."""
     ctx = mp.get_context("spawn")
     hold_end, hold_here = ctx.Pipe()
     read_end, read_here = ctx.Pipe()
@@ -223,11 +229,16 @@ def _pair(way: Way, read: Any, args: tuple) -> Any:
     reader = ctx.Process(target=read, args=(read_end, 1, *args), daemon=True)
     holder.start()
     reader.start()
+    done = False
     try:
         read_here.send(hold_here.recv())
-        return read_here.recv()
-    finally:
+        answer = read_here.recv()
         hold_here.send("done")
+        done = True
+        return (answer, hold_here.recv()) if notices else answer
+    finally:
+        if not done:
+            hold_here.send("done")
         for p in (holder, reader):
             p.join(10)
             if p.is_alive():
@@ -292,7 +303,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"TCP congestion control: {_congestion_control()}")
     for r in range(args.rounds):
         if args.notices:
-            by_way = {way.name: noticed(way, args.reads) for way in NOTICE_WAYS}
+            by_way = {way.name: noticed(way, args.reads)[0] for way in NOTICE_WAYS}
             print(f"\nround {r + 1}: reads of four 64 KB blocks over cma, {args.reads} each, "
                   f"{GAP_S * 1e3:g} ms apart\n")
             print("\n".join(notice_table(by_way)), flush=True)

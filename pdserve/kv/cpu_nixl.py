@@ -12,7 +12,8 @@ CPU platform it builds the agent with a progress thread that sleeps between poll
 engine's agent with none: its own thread moves its reads), puts the thread affinity back to what
 the engine had, posts each step's reads before its forward rather than after, and reads a
 prompt's KV inside the step that computes its next position when no other stream waits for it
-(an idle decode engine, or a peer whose reads are copied as they are posted). On any
+(an idle decode engine, or a peer whose reads are copied as they are posted), sending vLLM's
+notices to prefill engines only after the step's reads (kv/notices.py). On any
 platform it is loaded on (pdserve loads it on CPU hosts; GPU hosts get vLLM's NixlConnector) it
 fails the engine's start when its side-channel port is taken (vLLM would wait for it for good),
 caps a decode read at what the prefill computed, reports what each read moved and frees, when
@@ -41,6 +42,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from pdserve.kv.copy_scope import copy_scope
+from pdserve.kv.notices import HeldNotices
 from pdserve.net import bind_error
 from pdserve.protocol import KV_READ_STATS, RELEASE_HELD, leg_of
 
@@ -114,14 +116,14 @@ _POLL_S = 50e-6
 # the engine the read is in the step only from a prefill engine in the reader's copy scope
 # (kv/copy_scope.py) one of whose reads has landed as it was posted: UCX's cma (engines on one
 # host) copies a read inside the call that posts it, which the step makes before it prepares its
-# inputs, so the others' forward does not wait for the bytes. (Many reads in an engine have not
-# landed as posted all the same: NIXL flushes a read's UCX endpoint, whose TCP lane, once it has
-# sent the holder a message (the notice of the read before), flushes only when the holder
-# answers; `pdserve.bench.nixl_read --notices`. Hence one such read suffices. Those
-# wait for the holder's progress thread, and for good on a stopped holder.) A read over TCP
-# lands only once the holder has answered, and its stalls would pause every stream in the
-# engine; it seems to land as posted when the reader is descheduled between posting and checking
-# it, hence the scope.
+# inputs, so the others' forward does not wait for the bytes. (NIXL flushes a read's UCX
+# endpoint, whose TCP lane, once it has sent the holder a message, such as the notice of the
+# read before, flushes only when the holder answers: kv/notices.py sends the notices after the
+# step's reads and flushes them. A read that still has not landed as posted, its peer's answer
+# late, waits for the holder's progress thread, and for good on a stopped holder; one landed as
+# posted suffices to mark the peer.) A read over TCP lands only once the holder has answered,
+# and its stalls would pause every stream in the engine; it seems to land as posted when the
+# reader is descheduled between posting and checking it, hence the scope.
 IN_STEP_READS = os.environ.get("PDSERVE_NIXL_IN_STEP_READS", "1") != "0"
 # A read in the step that has not landed by then stops the engine (its worker exits, `pdserve
 # serve` restarts it, the controller retries the leg): the step cannot compute without the KV,
@@ -206,6 +208,7 @@ class PDCpuNixlConnector(NixlPullConnector):
         self._releases: set[str] = set()
         self._released: set[str] = set()
         self._drives_reads = False  # worker side: no progress thread, so reads move at each layer
+        self._notices: HeldNotices | None = None  # worker side, an engine that reads
         if role != KVConnectorRole.WORKER or not current_platform.is_cpu():
             super().__init__(vllm_config, role, kv_cache_config)
             return
@@ -215,6 +218,9 @@ class PDCpuNixlConnector(NixlPullConnector):
             super().__init__(vllm_config, role, kv_cache_config)
         if os.sched_getaffinity(0) != affinity:
             os.sched_setaffinity(0, affinity)
+        if vllm_config.kv_transfer_config.kv_role != "kv_producer":  # it reads (kv/notices.py)
+            worker = self.connector_worker
+            worker.nixl_wrapper = self._notices = HeldNotices(worker.nixl_wrapper)
         logger.info(
             "pdserve CPU NIXL connector: %s, affinity kept at %s",
             "reads moved by the engine's thread, no progress thread" if self._drives_reads
@@ -254,6 +260,7 @@ class PDCpuNixlConnector(NixlPullConnector):
             early.reqs_to_recv, kv_connector_metadata.reqs_to_recv = pending, {}
             self.connector_worker.start_load_kv(early)
             self._note_quick(pending)
+            self._send_notices()
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         # vLLM runs a step without a model (no attention metadata) only to move KV.
@@ -262,6 +269,7 @@ class PDCpuNixlConnector(NixlPullConnector):
         super().start_load_kv(forward_context, **kwargs)
         if in_step := getattr(self._connector_metadata, _IN_STEP, None):
             self._land(in_step, time.monotonic() + IN_STEP_TIMEOUT_S)
+        self._send_notices()
         if legs := getattr(self._connector_metadata, _RELEASE, None):
             self._release(legs)
 
@@ -293,6 +301,11 @@ class PDCpuNixlConnector(NixlPullConnector):
                     f"the KV reads of {sorted(waiting)} did not land within "
                     f"{IN_STEP_TIMEOUT_S:.0f} s inside an engine step")
             time.sleep(_POLL_S)
+
+    def _send_notices(self) -> None:
+        """The notices of the reads done so far, and a flush after them (kv/notices.py)."""
+        if self._notices is not None:
+            self._notices.send()
 
     def _note_quick(self, req_ids) -> None:
         """Note whether each of these reads, just posted, has landed already (one whose peer's
@@ -336,6 +349,7 @@ class PDCpuNixlConnector(NixlPullConnector):
         if self._wait_for_reads:
             self._until_reads_land(time.monotonic() + READ_WAIT_S)
         results = super().get_transfer_results(finished_req_ids)
+        self._send_notices()
         if self._released:  # as if their decodes had read them: the scheduler frees the blocks
             results.finished_sending = set(results.finished_sending or ()) | self._released
             self._released = set()
