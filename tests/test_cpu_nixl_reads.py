@@ -391,7 +391,7 @@ def test_a_busy_engine_reads_in_step_only_from_a_peer_one_of_whose_reads_landed_
                                                 kv_connector_worker_meta=landed_as_posted))
     assert not schedule(c, request("next"))  # in the step, beside the other streams
     assert getattr(c.build_connector_meta(None), cpu_nixl._IN_STEP) == {"next"}
-    # A later read of P's that did not land as posted (many do not: the notice before it):
+    # A later read of P's that did not land as posted (P late to answer its flush, kv/notices.py):
     # P's reads stay in the step.
     c.update_connector_output(KVConnectorOutput(
         finished_recving={"next"},

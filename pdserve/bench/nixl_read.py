@@ -37,6 +37,8 @@ from typing import Any
 
 import numpy as np
 
+from pdserve.kv.notices import HeldNotices
+
 PROMPTS = {100: 1, 300: 3, 1000: 8, 2000: 16}  # prompt tokens -> 128-token blocks
 LAYERS, BLOCK_BYTES = 4, 128 * 1024
 SPAN = 2 * LAYERS * BLOCK_BYTES * max(PROMPTS.values())  # each side's memory: runs apart (_runs)
@@ -170,8 +172,6 @@ NOTICE_WAYS = [Notice("no notice", False, False), Notice("vLLM's notice", True, 
 def _read_noticed(conn: Connection, core: int, way: Notice, reads: int) -> None:
     """Reads of four 64 KB blocks over cma (the tiny preset's, whose posting is quick), made as
     vLLM's reader makes them; whether each landed as it was posted."""
-    from pdserve.kv.notices import HeldNotices
-
     _enter(core, Way(way.name, False, "32k", ONE_HOST))
     agent = nixl_agent("reader", progress_thread=False)
     reader = HeldNotices(agent) if way.held else agent
