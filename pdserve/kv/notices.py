@@ -4,8 +4,8 @@ vLLM's reader has NIXL tell the prefill engine when a read is done (a notice, on
 and NIXL flushes a read's UCX endpoint as part of the read. Over UCX's TCP lane, an endpoint
 that has sent a message since its last flush flushes only once the peer has answered. So a read
 after a notice to the same prefill engine, even one UCX copies itself over cross-memory attach,
-was done only once that engine's progress thread had answered: 0.3-24 ms on a busy host, inside
-the step for an in-step read (docs/performance.md). Here a step's reads go out without notices;
+was done only once that engine's progress thread had answered: up to 24 ms on a busy host,
+inside the step for an in-step read (docs/performance.md). Here a step's reads go out without notices;
 the notices follow once the reads are posted and done, and then a one-byte read with no notice,
 which flushes the endpoint while the step computes: the next step's reads wait for nothing
 unless the prefill engine has not answered by then.
@@ -77,8 +77,10 @@ class HeldNotices:
         self._flusher.forget(agent)
         self._due = [d for d in self._due if d[0] != agent]
         self._byte_of.pop(agent, None)
-        for dlist in [d for d, peer in self._peer_of.items() if peer == agent]:
-            del self._peer_of[dlist]
+        # list() copies at once: vLLM's handshake thread may be adding a peer's list meanwhile.
+        for dlist, peer in list(self._peer_of.items()):
+            if peer == agent:
+                del self._peer_of[dlist]
         return self._agent.remove_remote_agent(agent)
 
     @property
