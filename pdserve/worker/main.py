@@ -176,6 +176,7 @@ async def run(args, starting: StartSignals) -> int:
             engine.shutdown()
         stop_engine_processes(starting)
         return 0
+    freeze_startup_heap()
     health = await _health_server(args.health_port, worker) if args.health_port else None
     logger.info("worker %s (%s) up: KV side channel %s:%d, controllers %s", worker.worker_id,
                 args.role, host, kv_port,
@@ -187,6 +188,16 @@ async def run(args, starting: StartSignals) -> int:
             health.close()
         engine.shutdown()
     return exit_code(worker)
+
+
+def freeze_startup_heap() -> None:
+    """Leave what the worker holds once started (torch, vLLM, the engine's client: millions of
+    objects) out of the garbage collector's full collections, as vLLM's API server does before it
+    serves. A worker has no API server: unfrozen, each full collection walked that heap for
+    0.4-0.5 s with the event loop stopped, and every stream on the worker paused that long."""
+    from vllm.utils.gc_utils import freeze_gc_heap
+
+    freeze_gc_heap()
 
 
 EXIT_REFUSED = 3
