@@ -43,6 +43,7 @@ def test_a_worker_freezes_the_heap_it_started_with_before_it_serves(monkeypatch)
     monkeypatch.setattr(AsyncEngineArgs, "from_cli_args", classmethod(lambda cls, args: None))
     args = main.make_parser().parse_args(["--role", "decode", "--model", "tiny",
                                           "--controller", "tcp://127.0.0.1:9"])
+    StubWorker.frozen_when_serving = None
     gc.unfreeze()  # whatever an earlier test in this process froze
     try:
         assert asyncio.run(main.run(args, main.StartSignals())) == 0

@@ -191,10 +191,10 @@ async def run(args, starting: StartSignals) -> int:
 
 
 def freeze_startup_heap() -> None:
-    """Leave what the worker holds once started (torch, vLLM, the engine's client: millions of
+    """Leave what the worker holds once started (torch, vLLM, the engine's client: ~600k
     objects) out of the garbage collector's full collections, as vLLM's API server does before it
     serves. A worker has no API server: unfrozen, each full collection walked that heap for
-    0.4-0.5 s with the event loop stopped, and every stream on the worker paused that long."""
+    0.3-0.6 s with the event loop stopped, and every stream on the worker paused that long."""
     from vllm.utils.gc_utils import freeze_gc_heap
 
     freeze_gc_heap()
