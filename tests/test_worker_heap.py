@@ -14,11 +14,14 @@ from pdserve.worker import main
 
 
 class StubEngine:
+    """No engine process: the heap the worker freezes is this test process's own."""
+
     def __init__(self, settings, engine_args) -> None:
-        pass
+        self.settings = settings
+        self.stopped = False
 
     def shutdown(self) -> None:
-        pass
+        self.stopped = True
 
 
 class StubWorker:
