@@ -85,6 +85,10 @@ FREED_AFTER = 0.1
 # that its controllers give it no work and, after their --move-after, move its requests, as for
 # a worker that stopped itself.
 ENGINE_ANSWER_S = 5.0
+# A controller that has left this worker's registration unanswered this long is said to, again
+# each time as long again: one at a wrong address, or holding other keys (CurveZMQ drops such a
+# peer without a word), would otherwise leave the worker waiting in silence.
+REGISTER_PATIENCE_S = 30.0
 
 
 class EngineHung(RuntimeError):
@@ -131,6 +135,8 @@ class _Link:
     reserved: int = 0
     reserves: bool = False  # it takes protocol.Others (its acks say so)
     others_told: int = 0  # the last `others` it was sent
+    asking_since: float = field(default_factory=time.monotonic)  # unregistered since
+    said_unanswered: float = 0.0  # how long it had been unanswered when last said
     # Outputs made during this turn of the event loop, sent together at its end (see flush).
     pending: list[Output] = field(default_factory=list)
     # Told of outputs that could not be sent (the worker ends their legs: see _outputs_dropped).
@@ -140,6 +146,7 @@ class _Link:
         """Its legs are dropped: the next Register starts a new session."""
         self.registered, self.session = False, uuid.uuid4().hex
         self.reserved = 0
+        self.asking_since, self.said_unanswered = time.monotonic(), 0.0
 
     def send(self, msg: protocol._Msg) -> None:
         """Send now, after the outputs made before it (the controller must see a leg's outputs
@@ -169,6 +176,16 @@ class _Link:
                 self.dropped(outs)
         except zmq.ZMQError as e:  # closed under us: its controller left
             logger.info("link to %s closed: dropped %d outputs (%s)", self.url, len(outs), e)
+
+    def say_if_unanswered(self, now: float, worker_id: str) -> None:
+        """Warn, every REGISTER_PATIENCE_S, while the controller leaves this worker's
+        registration unanswered."""
+        waited = now - self.asking_since
+        if waited - self.said_unanswered >= REGISTER_PATIENCE_S:
+            self.said_unanswered = waited
+            logger.warning("worker %s: controller %s has not answered this worker's registration "
+                           "for %.0f s: check that one listens there and that it and this worker "
+                           "hold the same keys (--keys)", worker_id, self.url, waited)
 
     def gone(self, now: float, stall: float = 0.0) -> bool:
         """Silent for too long, not counting `stall` (this process's own, see the loop)."""
@@ -470,6 +487,7 @@ class PDWorker:
                                              self.draining or link.retiring)
                 else:
                     msg = self._register_msg(link)
+                    link.say_if_unanswered(now, self.worker_id)
                 try:
                     link.send(msg)
                 except zmq.Again:

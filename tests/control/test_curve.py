@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import zmq
 import zmq.asyncio
-from fakepool import final_tokens, greedy
+from fakepool import final_tokens, greedy, wait_until
 
 from pdserve import fake, protocol, transport
 from pdserve.protocol import Role
+from pdserve.worker import worker as worker_module
 
 PROMPT = list(range(600, 640))
 
@@ -65,3 +67,28 @@ async def test_a_worker_cannot_register_with_a_keyed_controller_in_the_clear(mak
     w = c.start("prefill")
     await asyncio.sleep(0.5)
     assert c.pool.registry.workers == {} and not w.links[0].registered
+
+
+async def test_a_worker_says_when_its_registration_goes_unanswered(make_cluster, tmp_path,
+                                                                   caplog, monkeypatch):
+    monkeypatch.setattr(worker_module, "REGISTER_PATIENCE_S", 0.4)
+    caplog.set_level(logging.WARNING, "pdserve.worker.worker")
+    transport.keygen(tmp_path / "keys")
+    transport.keygen(tmp_path / "other")
+    keys = transport.Keys.load(tmp_path / "keys")
+    c = await make_cluster(keys=keys)
+    d, = await c.add("decode", keys=keys)
+    c.start("decode", worker_id="decode-otherkeys", keys=transport.Keys.load(tmp_path / "other"))
+
+    def said() -> list[logging.LogRecord]:
+        return [r for r in caplog.records
+                if "has not answered this worker's registration" in r.getMessage()]
+
+    await wait_until(lambda: len(said()) >= 2, 10, "the worker to say so twice")
+    first, second = said()[:2]
+    # Said by the worker with other keys only, naming the controller and what to check.
+    assert all(r.getMessage().startswith(f"worker decode-otherkeys: controller {c.address} ")
+               and "--keys" in r.getMessage() for r in said())
+    # Once per patience (0.4 s), not at every heartbeat (HEARTBEAT, 0.1 s).
+    assert second.created - first.created > 0.3
+    assert c.is_ready(d.worker_id)

@@ -36,7 +36,8 @@ def two(model_dir, logs, keys):
                      [p])
         except TimeoutError as e:  # the periodic pool lines would hide how registering went
             said = [ln for ln in p.log().splitlines()
-                    if re.search(r"regist|refused|joined|bind|Error", ln)]
+                    if re.search(r"regist|refused|joined|bind|Error| up: |answer|^pdserve|"
+                                 r"Warming up|KV cache size|connector:", ln)]
             raise TimeoutError(f"{e}\n--- registration lines ---\n" + "\n".join(said[-60:]))
         yield p, f"http://127.0.0.1:{port}", wport
     finally:
