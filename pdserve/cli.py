@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import signal
@@ -39,6 +40,15 @@ def stop_on_hangup() -> None:
     that finishes what is in flight, unless SIGHUP is ignored (nohup)."""
     if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
         signal.signal(signal.SIGHUP, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
+
+
+STACKS_SIGNAL = signal.SIGUSR2
+
+
+def stacks_on_signal() -> None:
+    """`kill -USR2 PID` prints the stack of every thread of the process to its stderr (its log)
+    and the process goes on: where a stuck one waits, seen without stopping it."""
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)
 
 
 def follow_serve(sig: int) -> None:
@@ -116,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     root.propagate = False
     if cmd in ("serve", "controller", "worker"):
         stop_on_hangup()
+        stacks_on_signal()
     if cmd == "serve":
         from pdserve.launcher import serve
 

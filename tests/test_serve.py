@@ -404,6 +404,33 @@ print("still here", flush=True)
 """
 
 
+STACKS = """
+import os, threading, time
+from pdserve.cli import STACKS_SIGNAL, stacks_on_signal
+def another_thread(stop):
+    stop.wait()
+def main_thread():
+    stop = threading.Event()
+    threading.Thread(target=another_thread, args=(stop,)).start()
+    stacks_on_signal()
+    os.kill(os.getpid(), STACKS_SIGNAL)
+    time.sleep(0.5)
+    stop.set()
+    print("still here", flush=True)
+main_thread()
+"""
+
+
+def test_sigusr2_prints_every_threads_stack_and_the_process_goes_on() -> None:
+    """serve, the controller and a worker print where each of their threads is on SIGUSR2 (its
+    default would end them): what a stuck one waits for, seen without stopping it."""
+    out = subprocess.run([sys.executable, "-c", STACKS], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["still", "here"]
+    assert "in main_thread" in out.stderr and "in another_thread" in out.stderr, out.stderr
+
+
 @pytest.mark.parametrize("how", ["terminal", "nohup"])
 def test_a_hangup_stops_a_command_as_sigterm_does_unless_under_nohup(how) -> None:
     """serve, the controller and a worker take SIGHUP (their terminal closed) as SIGTERM, their

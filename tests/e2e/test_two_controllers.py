@@ -10,11 +10,14 @@ import re
 import signal
 import time
 import urllib.request
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from procs import Proc, free_port, free_ports, get_json, pdserve, wait_for
 from test_openai import prompt_ids
+
+from pdserve.cli import STACKS_SIGNAL
 
 DEAD_AFTER = 6  # the controllers': workers drop a silent controller's legs after it
 HEADER = "x-pdserve-controller"
@@ -34,11 +37,8 @@ def two(model_dir, logs, keys):
         try:
             wait_for(lambda: "pdserve ready" in p.log(), 400, "pdserve serve --api-servers 2",
                      [p])
-        except TimeoutError as e:  # the periodic pool lines would hide how registering went
-            said = [ln for ln in p.log().splitlines()
-                    if re.search(r"regist|refused|joined|bind|Error| up: |answer|^pdserve|"
-                                 r"Warming up|KV cache size|connector:", ln)]
-            raise TimeoutError(f"{e}\n--- registration lines ---\n" + "\n".join(said[-60:]))
+        except TimeoutError as e:
+            raise TimeoutError(f"{e}\n{how_the_start_stands(p, wport)}") from None
         yield p, f"http://127.0.0.1:{port}", wport
     finally:
         p.stop(90)
@@ -72,20 +72,46 @@ def stream(base: str, model: str, prompt: list[int], max_tokens: int,
     return out
 
 
+def command_lines() -> Iterator[tuple[int, list[bytes]]]:
+    """(pid, arguments) of each process running now."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                yield int(pid), f.read().split(b"\0")
+        except OSError:
+            continue
+
+
 def api_server_pid(serve_log: str, controller_id: str, base_port: int) -> int:
     """The pid of the API server process that is `controller_id` (by its worker port)."""
     ports = {cid: int(p) for cid, p in REGISTERED.findall(serve_log)}
     index = ports[controller_id] - base_port
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                args = f.read().split(b"\0")
-        except OSError:
-            continue
+    for pid, args in command_lines():
         if (b"--api-server-index" in args and args[args.index(b"--api-server-index") + 1]
                 == str(index).encode() and str(base_port).encode() in args):
-            return int(pid)
+            return pid
     raise AssertionError(f"no API server process for {controller_id}")
+
+
+def how_the_start_stands(p: Proc, base_port: int) -> str:
+    """What serve's processes said of their start and of registering (the periodic pool lines
+    would hide it), and the stacks of their threads now: SIGUSR2 has serve, the controllers and
+    the workers print them (pdserve.cli). Each names `base_port`, the first worker port."""
+    log = p.log().splitlines()
+    said = [ln for ln in log if re.search(r"regist|refused|joined|bind|Error| up: |answer|"
+                                          r"^pdserve|Warming up|KV cache size|connector:", ln)]
+    out = ["--- start and registration lines ---", *said[-60:]]
+    for pid, args in command_lines():
+        if b"pdserve.cli" in args and any(str(base_port).encode() in a for a in args):
+            before = len(p.log())
+            os.kill(pid, STACKS_SIGNAL)
+            time.sleep(0.5)  # one at a time: their stacks would mix in the one log
+            which = [args[i + 1] for i, a in enumerate(args[:-1])
+                     if a in (b"--role", b"--api-server-index")]  # none: the parent
+            out.append(f"--- the threads of pid {pid}: {b' '.join(args[3:4] + which).decode()}")
+            out += [ln for ln in p.log()[before:].splitlines()
+                    if re.match(r"(Current t|T)hread 0x|  File ", ln)]
+    return "\n".join(out)
 
 
 def test_two_controllers_serve_one_pool_and_survive_each_other(two, reference, model_dir):
