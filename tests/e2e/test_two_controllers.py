@@ -96,13 +96,15 @@ def api_server_pid(serve_log: str, controller_id: str, base_port: int) -> int:
 def how_the_start_stands(p: Proc, base_port: int) -> str:
     """What serve's processes said of their start and of registering (the periodic pool lines
     would hide it), and the stacks of their threads now: SIGUSR2 has serve, the controllers and
-    the workers print them (pdserve.cli). Each names `base_port`, the first worker port."""
+    the workers print them (pdserve.cli). Each names `base_port`, the first worker port, as an
+    argument of its own (serve, the controllers) or in its controller's address (the workers)."""
+    mine = {str(base_port).encode(), f"tcp://127.0.0.1:{base_port}".encode()}
     log = p.log().splitlines()
     said = [ln for ln in log if re.search(r"regist|refused|joined|bind|Error| up: |answer|"
                                           r"^pdserve|Warming up|KV cache size|connector:", ln)]
     out = ["--- start and registration lines ---", *said[-60:]]
     for pid, args in command_lines():
-        if b"pdserve.cli" in args and any(str(base_port).encode() in a for a in args):
+        if b"pdserve.cli" in args and mine & set(args):
             before = len(p.log())
             os.kill(pid, STACKS_SIGNAL)
             time.sleep(0.5)  # one at a time: their stacks would mix in the one log
