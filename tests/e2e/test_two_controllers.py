@@ -10,11 +10,10 @@ import re
 import signal
 import time
 import urllib.request
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from procs import Proc, free_port, free_ports, get_json, pdserve, wait_for
+from procs import Proc, children, free_port, free_ports, get_json, pdserve, wait_for
 from test_openai import prompt_ids
 
 from pdserve.cli import STACKS_SIGNAL
@@ -38,7 +37,7 @@ def two(model_dir, logs, keys):
             wait_for(lambda: "pdserve ready" in p.log(), 400, "pdserve serve --api-servers 2",
                      [p])
         except TimeoutError as e:
-            raise TimeoutError(f"{e}\n{how_the_start_stands(p, wport)}") from None
+            raise TimeoutError(f"{e}\n{how_the_start_stands(p)}") from None
         yield p, f"http://127.0.0.1:{port}", wport
     finally:
         p.stop(90)
@@ -72,47 +71,49 @@ def stream(base: str, model: str, prompt: list[int], max_tokens: int,
     return out
 
 
-def command_lines() -> Iterator[tuple[int, list[bytes]]]:
-    """(pid, arguments) of each process running now."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                yield int(pid), f.read().split(b"\0")
-        except OSError:
-            continue
-
-
 def api_server_pid(serve_log: str, controller_id: str, base_port: int) -> int:
     """The pid of the API server process that is `controller_id` (by its worker port)."""
     ports = {cid: int(p) for cid, p in REGISTERED.findall(serve_log)}
     index = ports[controller_id] - base_port
-    for pid, args in command_lines():
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
+        except OSError:
+            continue
         if (b"--api-server-index" in args and args[args.index(b"--api-server-index") + 1]
                 == str(index).encode() and str(base_port).encode() in args):
-            return pid
+            return int(pid)
     raise AssertionError(f"no API server process for {controller_id}")
 
 
-def how_the_start_stands(p: Proc, base_port: int) -> str:
+def pdserve_processes(serve: int) -> dict[int, str]:
+    """serve's descendants that run pdserve's command line, with their command lines: the
+    controller, its API servers and the workers (not the engine cores: SIGUSR2 would end them)."""
+    found, todo = {}, [serve]
+    while todo:
+        kids = children(todo.pop())
+        found.update(kids)
+        todo += kids
+    return {pid: cmd for pid, cmd in found.items() if " pdserve.cli " in cmd}
+
+
+def how_the_start_stands(p: Proc) -> str:
     """What serve's processes said of their start and of registering (the periodic pool lines
     would hide it), and the stacks of their threads now: SIGUSR2 has serve, the controllers and
-    the workers print them (pdserve.cli). Each names `base_port`, the first worker port, as an
-    argument of its own (serve, the controllers) or in its controller's address (the workers)."""
-    mine = {str(base_port).encode(), f"tcp://127.0.0.1:{base_port}".encode()}
+    the workers print them (pdserve.cli)."""
     log = p.log().splitlines()
     said = [ln for ln in log if re.search(r"regist|refused|joined|bind|Error| up: |answer|"
                                           r"^pdserve|Warming up|KV cache size|connector:", ln)]
     out = ["--- start and registration lines ---", *said[-60:]]
-    for pid, args in command_lines():
-        if b"pdserve.cli" in args and mine & set(args):
-            before = len(p.log())
-            os.kill(pid, STACKS_SIGNAL)
-            time.sleep(0.5)  # one at a time: their stacks would mix in the one log
-            which = [args[i + 1] for i, a in enumerate(args[:-1])
-                     if a in (b"--role", b"--api-server-index")]  # none: the parent
-            out.append(f"--- the threads of pid {pid}: {b' '.join(args[3:4] + which).decode()}")
-            out += [ln for ln in p.log()[before:].splitlines()
-                    if re.match(r"(Current t|T)hread 0x|  File ", ln)]
+    for pid, cmd in {p.proc.pid: "pdserve.cli serve", **pdserve_processes(p.proc.pid)}.items():
+        before = len(p.log())
+        os.kill(pid, STACKS_SIGNAL)
+        time.sleep(0.5)  # one at a time: their stacks would mix in the one log
+        which = re.findall(r"pdserve\.cli (\w+)|--(?:role|api-server-index) (\S+)", cmd)
+        out.append(f"--- the threads of pid {pid}: {' '.join(''.join(w) for w in which)}")
+        out += [ln for ln in p.log()[before:].splitlines()
+                if re.match(r"(Current t|T)hread 0x|  File ", ln)]
     return "\n".join(out)
 
 
