@@ -302,9 +302,11 @@ class PDWorker:
         if self.tasks:
             logger.warning("drain timeout: aborting %d requests", len(self.tasks))
             await self._abort_all()
+        registered = any(link.registered for link in self.links.values())
         self._leave("drained")
         await asyncio.sleep(0.1)  # let the unregister leave before the sockets close
-        logger.info("worker %s drained and unregistered", self.worker_id)
+        logger.info("worker %s drained and %s", self.worker_id, "unregistered" if registered
+                    else "stopped: no controller had answered its registration")
         self.stop()
 
     def _handing(self) -> bool:

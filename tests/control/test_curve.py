@@ -92,3 +92,26 @@ async def test_a_worker_says_when_its_registration_goes_unanswered(make_cluster,
     # Once per patience (0.4 s), not at every heartbeat (HEARTBEAT, 0.1 s).
     assert second.created - first.created > 0.3
     assert c.is_ready(d.worker_id)
+
+
+async def test_a_worker_that_never_registered_does_not_say_it_unregistered(make_cluster,
+                                                                           tmp_path, caplog):
+    caplog.set_level(logging.INFO, "pdserve.worker.worker")
+    transport.keygen(tmp_path / "keys")
+    transport.keygen(tmp_path / "other")
+    keys = transport.Keys.load(tmp_path / "keys")
+    c = await make_cluster(keys=keys)
+    d, = await c.add("decode", keys=keys)
+    stranger = c.start("decode", worker_id="decode-otherkeys",
+                       keys=transport.Keys.load(tmp_path / "other"))
+    await asyncio.sleep(0.3)  # a few heartbeats' registrations, unanswered
+    for w in (d, stranger):
+        await w.drain()
+    said = {w.worker_id: [r.getMessage() for r in caplog.records
+                          if r.getMessage().startswith(f"worker {w.worker_id} drained and ")]
+            for w in (d, stranger)}
+    assert said == {
+        d.worker_id: [f"worker {d.worker_id} drained and unregistered"],
+        "decode-otherkeys": ["worker decode-otherkeys drained and stopped: no controller had "
+                             "answered its registration"],
+    }
