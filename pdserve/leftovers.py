@@ -9,8 +9,8 @@ none of those processes is left, removes those of its files that no process uses
 
 The temporary folder gets its own: a `pdserve serve` killed with SIGKILL leaves its folder
 (keys, and its children's temporary files, which it keeps there), and a worker started on its
-own and killed with its engine core the engine's KV-event sockets; each is named by the pid of
-the process that made it, and removed by the next `pdserve serve` once that process is gone
+own its folder (vLLM's sockets, the engine's KV-event sockets); each is named by the pid of the
+process that made it, and removed by the next `pdserve serve` once that process is gone
 (`stale_temp`).
 """
 
@@ -145,8 +145,9 @@ class Leftovers:
 
 
 # In the temporary folder, by the pid of their maker: serve's folder (launcher.py), a worker's
-# engine's KV-event sockets (worker/kv_events.py).
-_TEMP = re.compile(r"pdserve-serve-(\d+)-.*|pdserve-kv-(\d+)(-replay)?")
+# own (worker/main.py, when started on its own), its engine's KV-event sockets
+# (worker/kv_events.py).
+_TEMP = re.compile(r"pdserve-(?:serve|worker)-(\d+)-.*|pdserve-kv-(\d+)(-replay)?")
 
 
 def stale_temp(folder: Path | None = None, proc: Path = PROC) -> list[str]:
@@ -169,12 +170,21 @@ def stale_temp(folder: Path | None = None, proc: Path = PROC) -> list[str]:
     return removed
 
 
+# vLLM names its IPC sockets <folder>/<uuid4>, and a socket's path must fit in sockaddr_un:
+# a longer one stops the engine's start (ZMQError "ipc path ... is longer than 107 characters").
+SOCKET_PATH_MAX = 107
+VLLM_SOCKET_NAME = 1 + 36  # "/" and a uuid4
+
+
 def temp_env(folder: str | Path) -> dict[str, str]:
     """Environment for children whose temporary files go in `folder` and with it: vLLM's
-    sockets (unless the user placed them) and file store, the KV-event sockets. Torch
-    inductor's cache (~150 MB of C++ precompiled headers an engine builds as it starts) stays
-    where every run shares it."""
+    sockets (unless the user placed them, or their paths would be too long there) and file
+    store, the KV-event sockets. Torch inductor's cache (~150 MB of C++ precompiled headers an
+    engine builds as it starts) stays where every run shares it."""
     inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
         tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")  # its default
+    sockets = os.environ.get("VLLM_RPC_BASE_PATH") or (
+        str(folder) if len(os.fsencode(folder)) + VLLM_SOCKET_NAME <= SOCKET_PATH_MAX
+        else tempfile.gettempdir())
     return {"TMPDIR": str(folder), "TORCHINDUCTOR_CACHE_DIR": inductor,
-            "VLLM_RPC_BASE_PATH": os.environ.get("VLLM_RPC_BASE_PATH") or str(folder)}
+            "VLLM_RPC_BASE_PATH": sockets}

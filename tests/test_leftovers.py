@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -16,7 +17,8 @@ import pytest
 from procs import gone
 
 from pdserve import procfs
-from pdserve.leftovers import Leftovers, stale_temp, temp_env
+from pdserve.leftovers import (SOCKET_PATH_MAX, VLLM_SOCKET_NAME, Leftovers, stale_temp,
+                               temp_env)
 from pdserve.procfs import SHM
 from pdserve.supervisor import Backoff, Child, Supervisor
 
@@ -307,21 +309,25 @@ def test_stopping_serve_stops_an_engine_that_outlived_its_killed_worker(spawn, t
 
 
 def test_what_killed_processes_left_in_the_temporary_folder_goes_once_they_are_gone(tmp_path):
-    """A serve killed with SIGKILL leaves its folder, a worker's engine killed so its KV-event
-    sockets: named by their maker's pid, they go once it is gone, and nothing else does."""
+    """A serve or a worker killed with SIGKILL leaves its folder, a worker's engine killed so its
+    KV-event sockets: named by their maker's pid, they go once it is gone, and nothing else
+    does."""
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     me = os.getpid()
-    for name in (f"pdserve-serve-{dead.pid}-abc", f"pdserve-serve-{me}-def"):
+    for name in (f"pdserve-serve-{dead.pid}-abc", f"pdserve-serve-{me}-def",
+                 f"pdserve-worker-{dead.pid}-ghi", f"pdserve-worker-{me}-jkl"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "keys").write_text("k")
     for name in (f"pdserve-kv-{dead.pid}", f"pdserve-kv-{dead.pid}-replay", f"pdserve-kv-{me}",
                  "pdserve-kv-x", f"other-{dead.pid}"):
         (tmp_path / name).write_text("")
     assert sorted(stale_temp(tmp_path)) == sorted([
-        f"pdserve-serve-{dead.pid}-abc", f"pdserve-kv-{dead.pid}", f"pdserve-kv-{dead.pid}-replay"])
+        f"pdserve-serve-{dead.pid}-abc", f"pdserve-worker-{dead.pid}-ghi",
+        f"pdserve-kv-{dead.pid}", f"pdserve-kv-{dead.pid}-replay"])
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([
-        f"pdserve-serve-{me}-def", f"pdserve-kv-{me}", "pdserve-kv-x", f"other-{dead.pid}"])
+        f"pdserve-serve-{me}-def", f"pdserve-worker-{me}-jkl", f"pdserve-kv-{me}",
+        "pdserve-kv-x", f"other-{dead.pid}"])
 
 
 def test_childrens_temporary_files_go_to_a_folder_but_torchs_compile_cache_stays_shared(
@@ -342,3 +348,20 @@ def test_childrens_temporary_files_go_to_a_folder_but_torchs_compile_cache_stays
     assert plain_temp != str(tmp_path)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))  # the user's choice
     assert temp_env(tmp_path)["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
+
+
+def test_vllms_sockets_stay_where_they_were_when_the_folder_leaves_them_no_room(tmp_path,
+                                                                                monkeypatch):
+    """vLLM names a socket <folder>/<uuid4>, and a socket's path must fit in 107 bytes: in a
+    folder with too long a path for that, the engine could not start."""
+    monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    room = SOCKET_PATH_MAX - VLLM_SOCKET_NAME
+    fits = "/" + "f" * (room - 1)
+    too_long = "/" + "l" * room
+    assert temp_env(fits)["VLLM_RPC_BASE_PATH"] == fits
+    assert temp_env(too_long)["VLLM_RPC_BASE_PATH"] == str(tmp_path)
+    assert temp_env(too_long)["TMPDIR"] == too_long  # files other than sockets still go there
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", "/run/mine")  # the user's choice
+    assert temp_env(fits)["VLLM_RPC_BASE_PATH"] == "/run/mine"

@@ -11,7 +11,6 @@ The worker forwards the payload bytes untouched (protocol.KvEvents); controllers
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import AsyncIterator
 from typing import Protocol
 
@@ -38,9 +37,11 @@ class KvEventSource(Protocol):
 
 
 def endpoints(tag: str) -> tuple[str, str]:
-    """ipc endpoints for one engine's publisher and replay socket (paths short enough for
-    a unix socket's 107 bytes)."""
-    base = os.path.join(tempfile.gettempdir(), f"pdserve-kv-{tag}")
+    """ipc endpoints for one engine's publisher and replay socket, where vLLM puts its own
+    sockets (names shorter than vLLM's, so the paths fit a unix socket's 107 bytes there)."""
+    from vllm import envs
+
+    base = os.path.join(envs.VLLM_RPC_BASE_PATH, f"pdserve-kv-{tag}")
     return f"ipc://{base}", f"ipc://{base}-replay"
 
 

@@ -18,13 +18,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import signal
 import socket
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 from pdserve import transport
+from pdserve.leftovers import temp_env
 from pdserve.models import resolve_model
 from pdserve.net import free_port
 from pdserve.preflight import port_problem
@@ -398,4 +401,24 @@ def main(argv: list[str] | None = None) -> int:
     args.model = resolve_model(args.model)
     starting = StartSignals()
     starting.install()
-    return asyncio.run(run(args, starting))
+    folder = own_temp_folder()
+    try:
+        return asyncio.run(run(args, starting))
+    finally:
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def own_temp_folder() -> str | None:
+    """A worker started on its own keeps its temporary files in a folder that goes when it
+    exits: vLLM leaves its IPC sockets (three per engine) and its file store in the temporary
+    folder even after a clean stop, as a plain `vllm serve` does (seven sockets). A worker
+    killed with SIGKILL leaves the folder, named by its pid, to the next `pdserve serve`
+    (leftovers.stale_temp). None, and nothing moved, under `pdserve serve` (which gives its
+    children a folder) or where the user placed vLLM's sockets."""
+    if os.environ.get("VLLM_RPC_BASE_PATH"):
+        return None
+    folder = tempfile.mkdtemp(prefix=f"pdserve-worker-{os.getpid()}-")
+    os.environ.update(temp_env(folder))  # before the engine's processes start: they inherit it
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+    return folder

@@ -3,18 +3,22 @@ kill -9, and a worker on another model is refused."""
 
 from __future__ import annotations
 
+import shutil
 import signal
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
+from pdserve.leftovers import temp_env
 from pdserve.procfs import tree
 from procs import (Proc, engine_core_pid, exited, free_port, get_json, pdserve, thread_cpus,
                    wait_for)
 from test_openai import complete, prompt_ids
 
 
-def start_worker(name, role, pd_server, model_dir, logs, *extra):
+def start_worker(name, role, pd_server, model_dir, logs, *extra, env=None):
     return Proc(name, pdserve("worker", "--role", role, "--worker-id", name,
                               "--controller", f"tcp://127.0.0.1:{pd_server.worker_port}",
                               "--keys", pd_server.keys, "--model", model_dir,
@@ -22,7 +26,7 @@ def start_worker(name, role, pd_server, model_dir, logs, *extra):
                               # Pinned like the launcher pins its engines: an unpinned CPU
                               # engine (vLLM's "auto" binding) beside pinned ones stalled
                               # its KV reads here until the prefill's lease ran out.
-                              "--cores", "1", *extra), logs)
+                              "--cores", "1", *extra), logs, env)
 
 
 def streams_at_once(pd_client, model_dir, prompt, max_tokens, n=2):
@@ -44,13 +48,32 @@ def workers(pd_server) -> dict[str, dict]:
     return {w["id"]: w for w in get_json(pd_server.base + "/pd/workers")}
 
 
+@pytest.fixture()
+def short_tmp():
+    """An empty temporary folder as short as a host's usual one: the paths of vLLM's sockets in
+    a worker's folder in it must fit in 107 bytes (in the suite's own folder they may not)."""
+    folder = Path(tempfile.mkdtemp(prefix="pdserve-test-", dir="/tmp"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 def test_added_decode_worker_shares_the_load_then_drains(pd_server, pd_client, ref_client,
-                                                         model_dir, logs):
+                                                         model_dir, logs, short_tmp):
+    # Started as an operator starts one, with vLLM's sockets left to their default (the suite
+    # places them): the worker keeps its temporary files in a folder of its own.
+    tmp_path = short_tmp
+    temp = {"TMPDIR": str(tmp_path), "VLLM_RPC_BASE_PATH": "",
+            # torch's compile cache where the suite's engines share it (its default is in TMPDIR)
+            "TORCHINDUCTOR_CACHE_DIR": temp_env(tmp_path)["TORCHINDUCTOR_CACHE_DIR"]}
     # "decode-0..." sorts first, so on equal load the new worker is chosen.
-    extra = start_worker("decode-0-extra", "decode", pd_server, model_dir, logs)
+    extra = start_worker("decode-0-extra", "decode", pd_server, model_dir, logs, env=temp)
     try:
         wait_for(lambda: workers(pd_server).get("decode-0-extra", {}).get("state") == "ready",
                  300, "the new decode worker", [extra])
+        made = list(tmp_path.iterdir())
+        assert [p.name.startswith(f"pdserve-worker-{extra.pid}-") for p in made] == [True], made
+        own, = made
+        assert any(f.is_socket() for f in own.iterdir())  # vLLM's, and the KV events'
         before = {i: w["legs_total"] for i, w in workers(pd_server).items()}
         for i in range(6):
             ours, _ = complete(pd_client, model_dir, prompt_ids(50 + i, 9000 + i), max_tokens=4,
@@ -84,6 +107,7 @@ def test_added_decode_worker_shares_the_load_then_drains(pd_server, pd_client, r
         extra.proc.wait(60)
         assert extra.proc.returncode == 0
         assert "drained and unregistered" in extra.log()
+        assert list(tmp_path.iterdir()) == []
     finally:
         extra.stop()
 
