@@ -170,6 +170,26 @@ def stale_temp(folder: Path | None = None, proc: Path = PROC) -> list[str]:
     return removed
 
 
+def torch_cache_name() -> str:
+    """The name of torch's default cache folder in the temporary folder, as torch makes it."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # a uid without a passwd entry (an arbitrary container user)
+        user = f"uid_{os.getuid()}"
+    return "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user)
+
+
+def share_torch_cache(folder: str | Path, shared: str) -> None:
+    """Have torch's default cache folder in `folder` be `shared`, by a link. Torch keeps the
+    C++ precompiled headers an engine builds as it starts (~150 MB, ~7 s of a core) in its
+    default cache folder in TMPDIR whatever TORCHINDUCTOR_CACHE_DIR says, so children whose
+    TMPDIR is a run's own folder built them again at every run. Removing the folder removes
+    the link, not what it points to."""
+    with contextlib.suppress(OSError):  # no shared cache then: the children build their own
+        os.makedirs(shared, exist_ok=True)
+        os.symlink(shared, os.path.join(folder, torch_cache_name()))
+
+
 # vLLM names its IPC sockets <folder>/<uuid4>, and a socket's path must fit in sockaddr_un:
 # a longer one stops the engine's start (ZMQError "ipc path ... is longer than 107 characters").
 SOCKET_PATH_MAX = 107
@@ -179,10 +199,11 @@ VLLM_SOCKET_NAME = 1 + 36  # "/" and a uuid4
 def temp_env(folder: str | Path) -> dict[str, str]:
     """Environment for children whose temporary files go in `folder` and with it: vLLM's
     sockets (unless the user placed them, or their paths would be too long there) and file
-    store, the KV-event sockets. Torch inductor's cache (~150 MB of C++ precompiled headers an
-    engine builds as it starts) stays where every run shares it."""
+    store, the KV-event sockets. Torch inductor's cache stays where every run shares it,
+    its precompiled headers included (`share_torch_cache`, which this sets up in `folder`)."""
     inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
-        tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")  # its default
+        tempfile.gettempdir(), torch_cache_name())  # its default
+    share_torch_cache(folder, inductor)
     sockets = os.environ.get("VLLM_RPC_BASE_PATH") or (
         str(folder) if len(os.fsencode(folder)) + VLLM_SOCKET_NAME <= SOCKET_PATH_MAX
         else tempfile.gettempdir())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -332,10 +333,12 @@ def test_what_killed_processes_left_in_the_temporary_folder_goes_once_they_are_g
 
 def test_childrens_temporary_files_go_to_a_folder_but_torchs_compile_cache_stays_shared(
         tmp_path, monkeypatch):
-    """A child's temporary files go with its run's folder; torch inductor's cache (an engine's
-    precompiled headers, ~150 MB) stays where every run finds it."""
-    where = ("import tempfile; from torch._inductor.runtime.cache_dir_utils import cache_dir; "
-             "print(tempfile.gettempdir()); print(cache_dir())")
+    """A child's temporary files go with its run's folder; torch inductor's cache stays where
+    every run finds it, and so do the precompiled headers an engine builds as it starts (~150
+    MB), which torch keeps in its default cache folder in TMPDIR whatever the cache's setting."""
+    where = ("import os, tempfile; from torch._inductor.runtime.cache_dir_utils import cache_dir; "
+             "from torch._inductor.codecache import _HEADER_DIR; "
+             "print(tempfile.gettempdir()); print(cache_dir()); print(os.path.realpath(_HEADER_DIR))")
 
     def ask(env: dict[str, str]) -> list[str]:
         return subprocess.run([sys.executable, "-c", where], env=env, capture_output=True,
@@ -343,9 +346,14 @@ def test_childrens_temporary_files_go_to_a_folder_but_torchs_compile_cache_stays
 
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     env = dict(os.environ)
-    plain_temp, plain_cache = ask(env)
-    assert ask(dict(env, **temp_env(tmp_path))) == [str(tmp_path), plain_cache]
-    assert plain_temp != str(tmp_path)
+    plain_temp, plain_cache, plain_headers = ask(env)
+    assert plain_headers == os.path.realpath(Path(plain_cache) / "precompiled_headers")
+    run = tmp_path / "run"
+    run.mkdir()
+    assert ask(dict(env, **temp_env(run))) == [str(run), plain_cache, plain_headers]
+    assert plain_temp != str(run)
+    shutil.rmtree(run)  # as serve removes its folder: the link goes, the shared cache stays
+    assert Path(plain_cache).is_dir()
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))  # the user's choice
     assert temp_env(tmp_path)["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
 
