@@ -179,6 +179,13 @@ def torch_cache_name() -> str:
     return "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user)
 
 
+def shared_torch_cache() -> str:
+    """Torch inductor's cache folder as this process's children would find it by themselves:
+    the user's TORCHINDUCTOR_CACHE_DIR, else torch's default in the temporary folder."""
+    return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
+        tempfile.gettempdir(), torch_cache_name())
+
+
 def share_torch_cache(folder: str | Path, shared: str) -> None:
     """Have torch's default cache folder in `folder` be `shared`, by a link. Torch keeps the
     C++ precompiled headers an engine builds as it starts (~150 MB, ~7 s of a core) in its
@@ -201,8 +208,7 @@ def temp_env(folder: str | Path) -> dict[str, str]:
     sockets (unless the user placed them, or their paths would be too long there) and file
     store, the KV-event sockets. Torch inductor's cache stays where every run shares it,
     its precompiled headers included (`share_torch_cache`, which this sets up in `folder`)."""
-    inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
-        tempfile.gettempdir(), torch_cache_name())  # its default
+    inductor = shared_torch_cache()
     share_torch_cache(folder, inductor)
     sockets = os.environ.get("VLLM_RPC_BASE_PATH") or (
         str(folder) if len(os.fsencode(folder)) + VLLM_SOCKET_NAME <= SOCKET_PATH_MAX

@@ -418,7 +418,12 @@ def own_temp_folder() -> str | None:
     children a folder) or where the user placed vLLM's sockets."""
     if os.environ.get("VLLM_RPC_BASE_PATH"):
         return None
-    folder = tempfile.mkdtemp(prefix=f"pdserve-worker-{os.getpid()}-")
+    try:
+        folder = tempfile.mkdtemp(prefix=f"pdserve-worker-{os.getpid()}-")
+    except OSError as e:  # vLLM puts its sockets in the temporary folder all the same
+        logger.warning("no temporary folder of this worker's own (%s): its engine's sockets go "
+                       "in %s and stay there after it stops", e, tempfile.gettempdir())
+        return None
     os.environ.update(temp_env(folder))  # before the engine's processes start: they inherit it
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
     return folder

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from pdserve.leftovers import temp_env
+from pdserve.leftovers import shared_torch_cache
 from pdserve.procfs import tree
 from procs import (Proc, engine_core_pid, exited, free_port, get_json, pdserve, thread_cpus,
                    wait_for)
@@ -64,7 +64,7 @@ def test_added_decode_worker_shares_the_load_then_drains(pd_server, pd_client, r
     tmp_path = short_tmp
     temp = {"TMPDIR": str(tmp_path), "VLLM_RPC_BASE_PATH": "",
             # torch's compile cache where the suite's engines share it (its default is in TMPDIR)
-            "TORCHINDUCTOR_CACHE_DIR": temp_env(tmp_path)["TORCHINDUCTOR_CACHE_DIR"]}
+            "TORCHINDUCTOR_CACHE_DIR": shared_torch_cache()}
     # "decode-0..." sorts first, so on equal load the new worker is chosen.
     extra = start_worker("decode-0-extra", "decode", pd_server, model_dir, logs, env=temp)
     try:
