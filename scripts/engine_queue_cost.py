@@ -21,6 +21,7 @@ import asyncio
 import os
 import random
 import statistics
+import tempfile
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -92,7 +93,12 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=300, help="prompt tokens")
     ap.add_argument("--requests", type=int, default=40)
     args = ap.parse_args()
-    figures = asyncio.run(measure(resolve_model(args.model), args.prompt, args.requests))
+    model = resolve_model(args.model)
+    # vLLM leaves its sockets where it makes them, even after a clean shutdown: in a folder of
+    # this run's, unless the user placed them.
+    with tempfile.TemporaryDirectory(prefix="pdserve-queue-") as sockets:
+        os.environ.setdefault("VLLM_RPC_BASE_PATH", sockets)
+        figures = asyncio.run(measure(model, args.prompt, args.requests))
     print(f"{args.requests - WARMUP} requests of {args.prompt} prompt tokens, medians (ms): "
           + ", ".join(f"{k} {v:.2f}" for k, v in figures.items()))
 
