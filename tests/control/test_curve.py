@@ -69,16 +69,24 @@ async def test_a_worker_cannot_register_with_a_keyed_controller_in_the_clear(mak
     assert c.pool.registry.workers == {} and not w.links[0].registered
 
 
-async def test_a_worker_says_when_its_registration_goes_unanswered(make_cluster, tmp_path,
-                                                                   caplog, monkeypatch):
-    monkeypatch.setattr(worker_module, "REGISTER_PATIENCE_S", 0.4)
-    caplog.set_level(logging.WARNING, "pdserve.worker.worker")
+async def pool_and_stranger(make_cluster, tmp_path):
+    """A pool with its keys and a decode worker registered with it, and "decode-otherkeys",
+    started with other keys: the controller never answers it."""
     transport.keygen(tmp_path / "keys")
     transport.keygen(tmp_path / "other")
     keys = transport.Keys.load(tmp_path / "keys")
     c = await make_cluster(keys=keys)
     d, = await c.add("decode", keys=keys)
-    c.start("decode", worker_id="decode-otherkeys", keys=transport.Keys.load(tmp_path / "other"))
+    stranger = c.start("decode", worker_id="decode-otherkeys",
+                       keys=transport.Keys.load(tmp_path / "other"))
+    return c, d, stranger
+
+
+async def test_a_worker_says_when_its_registration_goes_unanswered(make_cluster, tmp_path,
+                                                                   caplog, monkeypatch):
+    monkeypatch.setattr(worker_module, "REGISTER_PATIENCE_S", 0.4)
+    caplog.set_level(logging.WARNING, "pdserve.worker.worker")
+    c, d, _ = await pool_and_stranger(make_cluster, tmp_path)
 
     def said() -> list[logging.LogRecord]:
         return [r for r in caplog.records
@@ -97,13 +105,7 @@ async def test_a_worker_says_when_its_registration_goes_unanswered(make_cluster,
 async def test_a_worker_that_never_registered_does_not_say_it_unregistered(make_cluster,
                                                                            tmp_path, caplog):
     caplog.set_level(logging.INFO, "pdserve.worker.worker")
-    transport.keygen(tmp_path / "keys")
-    transport.keygen(tmp_path / "other")
-    keys = transport.Keys.load(tmp_path / "keys")
-    c = await make_cluster(keys=keys)
-    d, = await c.add("decode", keys=keys)
-    stranger = c.start("decode", worker_id="decode-otherkeys",
-                       keys=transport.Keys.load(tmp_path / "other"))
+    c, d, stranger = await pool_and_stranger(make_cluster, tmp_path)
     await asyncio.sleep(0.3)  # a few heartbeats' registrations, unanswered
     for w in (d, stranger):
         await w.drain()
